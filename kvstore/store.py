@@ -1,0 +1,277 @@
+"""The worker-side KVStore API and the single-process stores ``local`` and ``device``.
+
+:class:`KVStore` turns the many call shapes MXNet accepts (one key or a list; one array or
+one per device; ``out`` one array or one per device) into a list of :class:`Item` and checks
+them against the initialised shapes and dtypes before anything changes. Subclasses implement
+``_init``, ``_push``, ``_pull`` on validated items: :class:`LocalStore` here, the distributed
+store in :mod:`kvstore.worker`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import optimizer as opt
+from .arrays import copy_into, device_id, is_array, namespace, reduce_sum
+from .compression import Compression
+
+
+@dataclass
+class Item:
+    """One key of one call: its values (one per device) and, for pulls, its outputs."""
+
+    key: int | str
+    values: list
+    outs: list
+
+
+@dataclass(frozen=True)
+class Meta:
+    shape: tuple
+    dtype: np.dtype
+
+
+def _norm_key(key):
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer, str)):
+        raise TypeError(f"key {key!r}: keys must be int or str, got {type(key).__name__}")
+    return int(key) if isinstance(key, np.integer) else key
+
+
+def _as_list(value, what: str, key) -> list:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ValueError(f"{what}(key={key!r}): empty list of arrays")
+    for a in items:
+        if not is_array(a):
+            raise TypeError(f"{what}(key={key!r}): expected a NumPy or CuPy array, "
+                            f"got {type(a).__name__}")
+    return items
+
+
+class KVStore:
+    """The API shared by every store type. Create one with :func:`kvstore.create`.
+
+    >>> import numpy as np, kvstore
+    >>> kv = kvstore.create('local')
+    >>> kv.init('w', np.zeros(3, np.float32))
+    >>> kv.push('w', [np.ones(3), np.ones(3)])
+    >>> out = np.empty(3, np.float32); kv.pull('w', out=out); out
+    array([2., 2., 2.], dtype=float32)
+    """
+
+    def __init__(self, kind: str):
+        self._type = kind
+        self._meta: dict = {}
+        self._key_kind: type | None = None
+        self._compression: Compression | None = None
+        self._pushed = False
+
+    # ---- identity
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    def barrier(self) -> None:
+        """Wait until every worker reaches this point (a no-op in one process)."""
+
+    def close(self) -> None:
+        """Release resources; a distributed store also tells the scheduler it is done."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- argument checking
+    def _items(self, what: str, keys, values=None, outs=None, need_init=True) -> list[Item]:
+        single = not isinstance(keys, (list, tuple))
+        key_list = [keys] if single else list(keys)
+        if not key_list:
+            raise ValueError(f"{what}: empty list of keys")
+        norm = [_norm_key(k) for k in key_list]
+        kinds = {type(k) for k in norm} | ({self._key_kind} if self._key_kind else set())
+        if len(kinds) > 1:
+            raise TypeError(f"{what}: int and str keys cannot be mixed in one store "
+                            f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
+                            f"got {norm!r})")
+        if len(set(norm)) != len(norm):
+            raise ValueError(f"{what}: duplicate keys in one call: {norm!r}")
+        per_key = {}
+        for name, given in (("values", values), ("out", outs)):
+            if given is None:
+                per_key[name] = [None] * len(norm)
+            elif single:
+                per_key[name] = [given]
+            else:
+                if not isinstance(given, (list, tuple)) or len(given) != len(norm):
+                    n = len(given) if isinstance(given, (list, tuple)) else 1
+                    raise ValueError(f"{what}: {len(norm)} keys but {n} {name}; give one "
+                                     "array (or list of arrays) per key")
+                per_key[name] = list(given)
+        items = []
+        for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
+            item = Item(key, [] if v is None else _as_list(v, what, key),
+                        [] if o is None else _as_list(o, what, key))
+            if need_init:
+                meta = self._meta.get(key)
+                if meta is None:
+                    raise KeyError(f"{what}(key={key!r}): key was never initialised; "
+                                   "call init first")
+                for a in item.values:
+                    self._check(what, key, a, meta, "value")
+                for a in item.outs:
+                    self._check(what, key, a, meta, "out")
+            items.append(item)
+        return items
+
+    @staticmethod
+    def _check(what, key, array, meta: Meta, role: str) -> None:
+        if tuple(array.shape) != meta.shape:
+            raise ValueError(f"{what}(key={key!r}): {role} shape {tuple(array.shape)} does not "
+                             f"match the initialised shape {meta.shape}")
+        src, dst = (array.dtype, meta.dtype) if role == "value" else (meta.dtype, array.dtype)
+        if not np.can_cast(src, dst, "same_kind"):
+            raise TypeError(f"{what}(key={key!r}): {role} dtype {array.dtype} does not match "
+                            f"the initialised dtype {meta.dtype} (no same-kind cast)")
+
+    # ---- public API
+    def init(self, key, value) -> None:
+        """Initialise each key once with a value; every worker calls it (rank 0's value wins)."""
+        items = self._items("init", key, value, need_init=False)
+        for item in items:
+            if item.key in self._meta:
+                raise ValueError(f"init(key={item.key!r}): key is already initialised")
+            shapes = {tuple(a.shape) for a in item.values}
+            if len(shapes) > 1:
+                raise ValueError(f"init(key={item.key!r}): arrays of different shapes {shapes}")
+        self._init(items)
+        for item in items:
+            first = item.values[0]
+            self._meta[item.key] = Meta(tuple(first.shape), np.dtype(first.dtype))
+            self._key_kind = type(item.key)
+
+    def push(self, key, value, priority: int = 0) -> None:
+        """Push one array or one per device per key; the arrays of a key are summed first."""
+        items = self._items("push", key, value)
+        self._pushed = True
+        self._push(items)
+
+    def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy each key's current value into ``out`` (one array or one per device)."""
+        if out is None:
+            raise ValueError("pull: out= is required (one array, or one per device, per key)")
+        self._pull(self._items("pull", key, outs=out))
+
+    def pushpull(self, key, value, out=None, priority: int = 0) -> None:
+        """``push`` then ``pull``; with ``out=None`` the result is written back into ``value``."""
+        items = self._items("pushpull", key, value, value if out is None else out)
+        self._pushed = True
+        self._pushpull(items)
+
+    def broadcast(self, key, value, out, priority: int = 0) -> None:
+        """Initialise each key with ``value`` (rank 0's) and pull it into ``out`` everywhere."""
+        self.init(key, value)
+        self.pull(key, out=out)
+
+    def set_gradient_compression(self, params: dict) -> None:
+        """``{'type': '2bit', 'threshold': 0.5}`` or ``{'type': '1bit'}``; before any push."""
+        if self._pushed:
+            raise ValueError("set_gradient_compression must be called before the first push")
+        self._compression = Compression.from_params(params)
+
+    # ---- to implement
+    def _init(self, items):
+        raise NotImplementedError
+
+    def _push(self, items):
+        raise NotImplementedError
+
+    def _pull(self, items):
+        raise NotImplementedError
+
+    def _pushpull(self, items):
+        self._push(items)
+        self._pull(items)
+
+
+class LocalStore(KVStore):
+    """``local`` (reduce in host memory) and ``device`` (reduce on the arrays' own device)."""
+
+    def __init__(self, kind: str = "local"):
+        super().__init__(kind)
+        self._on_device = kind == "device"
+        self._store: dict = {}
+        self._updater = None
+        self._residuals: dict = {}
+
+    def _init(self, items):
+        for item in items:
+            first = item.values[0]
+            target = device_id(first) if self._on_device else -1
+            stored = reduce_sum([first], first.dtype, on_device=target >= 0)
+            self._store[item.key] = stored
+
+    def _reduce(self, item):
+        stored = self._store[item.key]
+        values = item.values
+        if self._compression is not None:
+            values = [self._compression.roundtrip(self._residuals, (item.key, i), v)
+                      for i, v in enumerate(values)]
+        return reduce_sum(values, stored.dtype, on_device=self._on_device)
+
+    def _push(self, items):
+        merged = [self._reduce(item) for item in items]
+        for item, grad in zip(items, merged, strict=True):
+            stored = self._store[item.key]
+            if device_id(grad) != device_id(stored):
+                moved = namespace(stored).empty_like(stored)
+                copy_into(moved, grad)
+                grad = moved
+            if self._updater is None:
+                copy_into(stored, grad)
+            else:
+                self._updater(item.key, grad, stored)
+
+    def _pull(self, items):
+        for item in items:
+            for out in item.outs:
+                copy_into(out, self._store[item.key])
+
+    # ---- optimizer
+    def set_optimizer(self, optimizer: opt.Optimizer) -> None:
+        """Apply ``optimizer`` in the store on every push: ``w = opt(w, sum_of_grads)``."""
+        if not isinstance(optimizer, opt.Optimizer):
+            raise TypeError(f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        self._updater = opt.Updater(optimizer)
+
+    def set_updater(self, updater) -> None:
+        """Use ``updater(key, grad, weight)`` (updating ``weight`` in place) on every push."""
+        if not callable(updater):
+            raise TypeError("set_updater: expected a callable updater(key, grad, weight)")
+        self._updater = updater
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        with open(fname, "wb") as f:
+            f.write(self._require_updater("save_optimizer_states").dumps())
+
+    def load_optimizer_states(self, fname: str) -> None:
+        updater = self._require_updater("load_optimizer_states")
+        with open(fname, "rb") as f:
+            updater.loads(f.read(), like=self._store)
+
+    def _require_updater(self, what: str) -> opt.Updater:
+        if not isinstance(self._updater, opt.Updater):
+            raise ValueError(f"{what}: no optimizer state; call set_optimizer first")
+        return self._updater
