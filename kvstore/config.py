@@ -1,0 +1,127 @@
+"""Every environment variable the runtime reads, read once and validated here.
+
+ps-lite's names (``DMLC_*``, ``PS_VERBOSE``) keep existing launch scripts working; our own
+settings use the ``KVSTORE_`` prefix. A bad value is a ``ValueError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+ROLES = ("scheduler", "server", "worker")
+
+
+@dataclass(frozen=True)
+class Config:
+    role: str
+    root_uri: str
+    root_port: int
+    num_server: int
+    num_worker: int
+    node_host: str
+    verbose: int = 0
+    start_timeout: float = 60.0
+    request_timeout: float = 600.0
+    round_timeout: float = 300.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    bigarray_bound: int = 1_000_000
+    server_port: int = 0
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"tcp://{self.root_uri}:{self.root_port}"
+
+    @classmethod
+    def from_env(cls, env=None) -> Config:
+        env = os.environ if env is None else env
+        role = env.get("DMLC_ROLE", "")
+        if role not in ROLES:
+            raise ValueError(f"DMLC_ROLE must be one of {ROLES}, got {role!r}: start distributed "
+                             "jobs with launch.py, or set DMLC_ROLE and the DMLC_* variables")
+        root_uri = _require(env, "DMLC_PS_ROOT_URI")
+        interval = _number(env, "KVSTORE_HEARTBEAT_INTERVAL", 1.0, float, low=0.01)
+        cfg = cls(
+            role=role,
+            root_uri=root_uri,
+            root_port=_number(env, "DMLC_PS_ROOT_PORT", None, int, low=1, high=65535),
+            num_server=_number(env, "DMLC_NUM_SERVER", None, int, low=1),
+            num_worker=_number(env, "DMLC_NUM_WORKER", None, int, low=1),
+            node_host=_node_host(env, root_uri),
+            verbose=_number(env, "PS_VERBOSE", 0, int, low=0, high=2),
+            start_timeout=_number(env, "KVSTORE_START_TIMEOUT", 60.0, float, low=0.1),
+            request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
+            round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 300.0, float, low=0.1),
+            heartbeat_interval=interval,
+            heartbeat_timeout=_number(env, "KVSTORE_HEARTBEAT_TIMEOUT", 5 * interval, float,
+                                      low=2 * interval),
+            bigarray_bound=_number(env, "KVSTORE_BIGARRAY_BOUND",
+                                   env.get("MXNET_KVSTORE_BIGARRAY_BOUND", 1_000_000), int, low=1),
+            server_port=_number(env, "KVSTORE_SERVER_PORT", 0, int, low=0, high=65535),
+        )
+        return cfg
+
+
+def _require(env, name: str) -> str:
+    value = env.get(name, "")
+    if not value:
+        raise ValueError(f"{name} is not set: the launcher sets it (see launch.py -h)")
+    return value
+
+
+def _number(env, name, default, kind, low=None, high=None):
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"{name} is not set: the launcher sets it (see launch.py -h)")
+        raw = default
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name}={raw!r} is out of range [{low}, {high}]")
+    return value
+
+
+def _node_host(env, root_uri: str) -> str:
+    """The address this node announces: DMLC_NODE_HOST, else DMLC_INTERFACE's, else the
+    address this machine uses to reach the scheduler."""
+    if env.get("DMLC_NODE_HOST"):
+        return env["DMLC_NODE_HOST"]
+    if env.get("DMLC_INTERFACE"):
+        return interface_address(env["DMLC_INTERFACE"])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((root_uri, 9))  # UDP connect sends nothing; it only picks a route
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def interface_address(name: str) -> str:
+    """IPv4 address of a network interface (Linux), or a ValueError naming DMLC_INTERFACE."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError as exc:
+        raise ValueError(f"DMLC_INTERFACE={name!r}: no IPv4 address on that interface "
+                         f"({exc.strerror}); see `ip addr` for the names") from None
+
+
+def setup_logging(verbose: int, prefix: str) -> None:
+    """Send the ``kvstore`` logger to stderr, with the node's role in every line."""
+    logger = logging.getLogger("kvstore")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[%(asctime)s {prefix}] %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
+    logger.propagate = False

@@ -1,0 +1,135 @@
+"""A node's link to the scheduler: registration, heartbeats, barriers, failure notices.
+
+The link runs in its own thread and owns the DEALER socket to the scheduler, so heartbeats go
+out while the node computes. The node's own thread talks to it through an inproc PAIR socket
+(:attr:`Control.pipe`), which it polls beside its data sockets: a node failure or a shutdown
+wakes it at once. Messages on the pipe are ordinary protocol messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from .config import Config
+from .errors import KVStoreError
+from .protocol import Message, decode, encode
+
+log = logging.getLogger("kvstore.control")
+_ids = itertools.count(1)
+
+
+class Control:
+    def __init__(self, ctx: zmq.Context, cfg: Config, role: str, port: int):
+        self.cfg, self.role, self.port = cfg, role, port
+        self.ctx = ctx
+        endpoint = f"inproc://kvstore-control-{id(self)}"
+        self.pipe = ctx.socket(zmq.PAIR)  # belongs to the node's thread
+        self.pipe.bind(endpoint)
+        self._endpoint = endpoint
+        self._thread = threading.Thread(target=self._run, name=f"kvstore-{role}-control",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- the node's side
+    def send(self, kind: str, body: dict | None = None) -> int:
+        msg_id = next(_ids)
+        self.pipe.send_multipart(encode(Message(kind, msg_id, self.role, body or {})))
+        return msg_id
+
+    def recv(self) -> Message:
+        return decode(self.pipe.recv_multipart())
+
+    def wait(self, what: str, kinds: tuple, timeout: float) -> Message:
+        """Block for the next message of ``kinds`` on the pipe; errors and failures raise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pipe.poll(left * 1000):
+                raise KVStoreError(f"{what}: no answer from the scheduler at "
+                                   f"{self.cfg.scheduler_address} within {timeout:g}s")
+            msg = self.recv()
+            if msg.kind in kinds:
+                return msg
+            raise_for(msg, what)
+
+    def close(self, finalize: bool) -> None:
+        """Tell the scheduler this node is done (when ``finalize``), then stop the thread."""
+        if finalize and self._thread.is_alive():
+            try:
+                self.send("finalize")
+                self.wait("finalize", ("ack",), min(5.0, self.cfg.request_timeout))
+            except KVStoreError as exc:
+                log.info("finalize: %s", exc)
+        if self._thread.is_alive():
+            self.send("command", {"name": "stop"})
+            self._thread.join(5)
+        self.pipe.close(linger=0)
+
+    # ---- the link thread
+    def _run(self) -> None:
+        cfg = self.cfg
+        peer = self.ctx.socket(zmq.PAIR)
+        peer.connect(self._endpoint)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.IDENTITY, f"{self.role}-{os.getpid()}-{id(self)}".encode())
+        sock.connect(cfg.scheduler_address)
+        sock.send_multipart(encode(Message("register", 0, self.role, {
+            "role": self.role, "host": cfg.node_host, "port": self.port,
+            "num_server": cfg.num_server, "num_worker": cfg.num_worker, "pid": os.getpid()})))
+        log.info("%s registering with the scheduler at %s", self.role, cfg.scheduler_address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(peer, zmq.POLLIN)
+        last_heard = next_beat = time.monotonic()
+        registered = finalizing = False
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    sock.send_multipart(encode(Message("heartbeat", 0, self.role)))
+                    next_beat = now + cfg.heartbeat_interval
+                if registered and not finalizing and now - last_heard > cfg.heartbeat_timeout:
+                    peer.send_multipart(encode(Message("node_failed", 0, "control", {
+                        "node": f"scheduler ({cfg.root_uri}:{cfg.root_port})",
+                        "reason": f"the scheduler sent nothing for {now - last_heard:.1f}s"})))
+                    registered = False  # say it once
+                events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                if sock in events:
+                    frames = sock.recv_multipart()
+                    last_heard = time.monotonic()
+                    msg = decode(frames)
+                    if cfg.verbose and msg.kind != "heartbeat":
+                        log.info("%s from the scheduler", msg.kind)
+                    if msg.kind == "book":
+                        registered = True
+                    if msg.kind != "heartbeat":
+                        peer.send_multipart(frames)
+                if peer in events:
+                    frames = peer.recv_multipart()
+                    msg = decode(frames)
+                    if msg.kind == "command" and msg.body["name"] == "stop":
+                        return
+                    finalizing |= msg.kind == "finalize"
+                    if cfg.verbose:
+                        log.info("%s to the scheduler", msg.kind)
+                    sock.send_multipart(frames)
+        finally:
+            sock.close()
+            peer.close(linger=0)
+
+
+def raise_for(msg: Message, what: str) -> None:
+    """Turn an error or failure notice into a :class:`KVStoreError`; ignore anything else."""
+    if msg.kind == "error":
+        raise KVStoreError(f"{what}: {msg.body['message']}")
+    if msg.kind == "node_failed":
+        raise KVStoreError(f"{what}: {msg.body['node']} failed: {msg.body['reason']}")
+    if msg.kind == "shutdown":
+        raise KVStoreError(f"{what}: the scheduler ended the job")

@@ -1,0 +1,268 @@
+"""The scheduler: registration, rank assignment, barriers, heartbeats, shutdown.
+
+One :class:`Scheduler` owns one ROUTER socket and runs one poll loop. It waits for exactly
+``DMLC_NUM_SERVER`` servers and ``DMLC_NUM_WORKER`` workers, gives each a rank (sorted by host
+and port, or host and pid for workers) and the address book, then answers heartbeats and
+barriers. A node silent for ``KVSTORE_HEARTBEAT_TIMEOUT`` is declared dead: every other node is
+told which one (role, rank, address) and the job ends with status 1. When every worker has
+finalised, the servers are told to shut down and the scheduler exits 0.
+
+Run it alone with ``DMLC_ROLE=scheduler ... python -m kvstore.scheduler``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from .config import Config, setup_logging
+from .protocol import Message, ProtocolError, decode, encode, error_reply
+
+log = logging.getLogger("kvstore.scheduler")
+
+_GROUPS = {"worker": ("worker",), "server": ("server",), "all": ("worker", "server")}
+
+
+@dataclass
+class Node:
+    identity: bytes
+    role: str
+    host: str
+    port: int
+    pid: int
+    last_seen: float
+    rank: int = -1
+    finalized: bool = False
+
+    @property
+    def name(self) -> str:
+        where = f"{self.host}:{self.port}" if self.port else f"{self.host} pid {self.pid}"
+        return f"{self.role} {self.rank if self.rank >= 0 else '?'} ({where})"
+
+
+class Scheduler:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.sock.bind(f"tcp://{bind_host(cfg.root_uri)}:{cfg.root_port}")
+        except zmq.ZMQError as exc:
+            self.close()
+            raise OSError(f"scheduler cannot listen on {cfg.root_uri}:{cfg.root_port}: "
+                          f"{exc.strerror}; pick a free DMLC_PS_ROOT_PORT (launch.py --port)"
+                          ) from None
+        self.nodes: dict[bytes, Node] = {}
+        self.started = time.monotonic()
+        self.ready = False
+        self.barriers: dict[str, dict] = {}  # group -> {"ids": {identity: request id}, "t0"}
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+    # ---- sending
+    def _send(self, identity: bytes, msg: Message) -> None:
+        if self.cfg.verbose >= 2:
+            log.debug("send %s to %s", msg.kind, identity)
+        try:
+            self.sock.send_multipart([identity, *encode(msg)])
+        except zmq.ZMQError as exc:  # the peer is gone; heartbeats will say so
+            log.info("could not send %s to %r: %s", msg.kind, identity, exc.strerror)
+
+    def _error(self, identity, request, text) -> None:
+        log.warning("%s", text)
+        self._send(identity, error_reply(request, "scheduler", text))
+
+    def _broadcast(self, msg: Message, roles=("worker", "server"), skip=None) -> None:
+        for node in self.nodes.values():
+            if node.role in roles and node.identity != skip:
+                self._send(node.identity, msg)
+
+    # ---- the loop
+    def run(self) -> int:
+        """Serve until the job ends; returns the process exit status."""
+        log.info("scheduler listening on %s:%d for %d servers and %d workers",
+                 self.cfg.root_uri, self.cfg.root_port, self.cfg.num_server, self.cfg.num_worker)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        tick = max(0.005, self.cfg.heartbeat_interval / 4)
+        while True:
+            if poller.poll(tick * 1000):
+                identity, *frames = self.sock.recv_multipart()
+                status = self._handle(identity, frames)
+                if status is not None:
+                    return status
+            status = self._check_deadlines()
+            if status is not None:
+                return status
+
+    def _handle(self, identity: bytes, frames) -> int | None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self._error(identity, Message("error"), f"scheduler: bad message: {exc}")
+            return None
+        if self.cfg.verbose >= 2:
+            log.debug("recv %s from %s", msg.kind, msg.sender or identity)
+        node = self.nodes.get(identity)
+        if node is not None:
+            node.last_seen = time.monotonic()
+        if msg.kind == "register":
+            self._register(identity, msg)
+        elif node is None:
+            self._error(identity, msg, f"scheduler: {msg.kind} from an unregistered node "
+                        f"{msg.sender!r}; register first")
+        elif msg.kind == "heartbeat":
+            if self.cfg.verbose:
+                log.debug("heartbeat from %s", node.name)
+            self._send(identity, Message("heartbeat", msg.id, "scheduler"))
+        elif msg.kind == "barrier":
+            self._barrier(node, msg)
+        elif msg.kind == "finalize":
+            return self._finalize(node, msg)
+        else:
+            self._error(identity, msg, f"scheduler: unexpected {msg.kind} from {node.name}")
+        return None
+
+    def _register(self, identity: bytes, msg: Message) -> None:
+        b = msg.body
+        if (b["num_server"], b["num_worker"]) != (self.cfg.num_server, self.cfg.num_worker):
+            return self._error(identity, msg, (
+                f"scheduler: {b['role']} at {b['host']} belongs to a different job: it expects "
+                f"{b['num_server']} servers and {b['num_worker']} workers, this scheduler "
+                f"{self.cfg.num_server} and {self.cfg.num_worker} (DMLC_NUM_SERVER/WORKER)"))
+        if b["role"] not in ("server", "worker"):
+            return self._error(identity, msg, f"scheduler: cannot register role {b['role']!r}")
+        if identity in self.nodes:
+            return self._error(identity, msg, f"scheduler: duplicate registration from "
+                               f"{self.nodes[identity].name}")
+        wanted = self.cfg.num_server if b["role"] == "server" else self.cfg.num_worker
+        have = sum(n.role == b["role"] for n in self.nodes.values())
+        if self.ready or have >= wanted:
+            return self._error(identity, msg, (
+                f"scheduler: too many {b['role']}s: {b['role']} at {b['host']} pid {b['pid']} "
+                f"arrived but all {wanted} have registered (DMLC_NUM_"
+                f"{'SERVER' if b['role'] == 'server' else 'WORKER'}={wanted})"))
+        self.nodes[identity] = Node(identity, b["role"], b["host"], b["port"], b["pid"],
+                                    time.monotonic())
+        log.info("registered %s at %s:%d (%d/%d %ss)", b["role"], b["host"], b["port"],
+                 have + 1, wanted, b["role"])
+        if len(self.nodes) == self.cfg.num_server + self.cfg.num_worker:
+            self._send_book()
+
+    def _send_book(self) -> None:
+        for role in ("server", "worker"):
+            members = sorted((n for n in self.nodes.values() if n.role == role),
+                             key=lambda n: (n.host, n.port, n.pid))
+            for rank, node in enumerate(members):
+                node.rank = rank
+        servers = sorted((n for n in self.nodes.values() if n.role == "server"),
+                         key=lambda n: n.rank)
+        book = [[n.host, n.port] for n in servers]
+        for node in self.nodes.values():
+            self._send(node.identity, Message("book", 0, "scheduler", {
+                "rank": node.rank, "servers": book, "num_server": self.cfg.num_server,
+                "num_worker": self.cfg.num_worker}))
+        self.ready = True
+        log.info("all %d nodes registered; address book sent", len(self.nodes))
+
+    def _barrier(self, node: Node, msg: Message) -> None:
+        group = msg.body["group"]
+        if group not in _GROUPS or node.role not in _GROUPS[group]:
+            return self._error(node.identity, msg, f"scheduler: {node.name} cannot join "
+                               f"barrier group {group!r} (valid: worker, server, all)")
+        done = [n.name for n in self.nodes.values() if n.role in _GROUPS[group] and n.finalized]
+        if done:
+            return self._error(node.identity, msg, f"barrier({group}): {', '.join(done)} "
+                               "already finished, so this barrier can never complete")
+        state = self.barriers.setdefault(group, {"ids": {}, "t0": time.monotonic()})
+        state["ids"][node.identity] = msg.id
+        size = sum(n.role in _GROUPS[group] for n in self.nodes.values())
+        if self.cfg.verbose:
+            log.info("barrier(%s): %s arrived (%d/%d)", group, node.name, len(state["ids"]), size)
+        if len(state["ids"]) == size:
+            del self.barriers[group]
+            for identity, req_id in state["ids"].items():
+                self._send(identity, Message("barrier_done", req_id, "scheduler", {"group": group}))
+
+    def _finalize(self, node: Node, msg: Message) -> int | None:
+        node.finalized = True
+        self._send(node.identity, Message("ack", msg.id, "scheduler"))
+        log.info("%s finished", node.name)
+        workers = [n for n in self.nodes.values() if n.role == "worker"]
+        if self.ready and all(n.finalized for n in workers):
+            log.info("all workers finished; shutting servers down")
+            self._broadcast(Message("shutdown", 0, "scheduler"), roles=("server",))
+            return 0
+        return None
+
+    def _check_deadlines(self) -> int | None:
+        now = time.monotonic()
+        if not self.ready and now - self.started > self.cfg.start_timeout:
+            missing = []
+            for role, wanted in (("server", self.cfg.num_server), ("worker", self.cfg.num_worker)):
+                have = sum(n.role == role for n in self.nodes.values())
+                if have < wanted:
+                    missing.append(f"{have} of {wanted} {role}s")
+            text = (f"start-up timed out after {self.cfg.start_timeout:g}s "
+                    f"(KVSTORE_START_TIMEOUT): only {' and '.join(missing)} registered with "
+                    f"the scheduler at {self.cfg.root_uri}:{self.cfg.root_port}")
+            log.error("%s", text)
+            self._broadcast(Message("node_failed", 0, "scheduler", {"node": "scheduler",
+                                                                   "reason": text}))
+            return 1
+        for node in self.nodes.values():
+            if not node.finalized and now - node.last_seen > self.cfg.heartbeat_timeout:
+                reason = (f"{node.name} sent no heartbeat for {now - node.last_seen:.1f}s "
+                          f"(KVSTORE_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g}s): "
+                          "it died or hangs")
+                log.error("node failed: %s", reason)
+                self._broadcast(Message("node_failed", 0, "scheduler",
+                                        {"node": node.name, "reason": reason}),
+                                skip=node.identity)
+                return 1
+        for group, state in list(self.barriers.items()):
+            if now - state["t0"] > self.cfg.round_timeout:
+                arrived = set(state["ids"])
+                absent = [n.name for n in self.nodes.values()
+                          if n.role in _GROUPS[group] and n.identity not in arrived]
+                del self.barriers[group]
+                for identity, req_id in state["ids"].items():
+                    self._error(identity, Message("barrier", req_id), (
+                        f"barrier({group}) timed out after {self.cfg.round_timeout:g}s "
+                        f"(KVSTORE_ROUND_TIMEOUT): {', '.join(absent)} never arrived"))
+        return None
+
+
+def bind_host(host: str) -> str:
+    return "*" if host in ("0.0.0.0", "") else host
+
+
+def main() -> int:
+    try:
+        cfg = Config.from_env()
+    except ValueError as exc:
+        print(f"kvstore.scheduler: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.verbose, "scheduler")
+    try:
+        scheduler = Scheduler(cfg)
+    except OSError as exc:
+        log.error("%s", exc)
+        print(f"kvstore.scheduler: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return scheduler.run()
+    finally:
+        scheduler.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""The distributed store a worker uses: ``dist_sync``, ``dist_device_sync``, ``dist_async``.
+
+The path of one ``kv.push``: :meth:`KVStore.push` checks the arguments against the initialised
+keys; :meth:`DistStore._push` sums the value's device arrays (on the device for
+``dist_device_sync``), cuts the flat result into one slice per part (a big array has one part
+on every server, a small key one part on the server :func:`server_of` picks), and sends one
+message per server holding all of that server's slices, without copying them. The servers'
+replies are collected later: a pull of the same key waits for its round on the server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import sys
+import time
+import weakref
+import zlib
+
+import msgpack
+import numpy as np
+import zmq
+
+from .arrays import copy_into, namespace, reduce_sum, to_host
+from .config import Config, setup_logging
+from .control import Control, raise_for
+from .errors import KVStoreError
+from .optimizer import Optimizer
+from .protocol import Message, ProtocolError, decode, encode
+from .store import KVStore
+
+log = logging.getLogger("kvstore.worker")
+
+
+def create_dist(kind: str) -> KVStore:
+    """Build the store for this process's ``DMLC_ROLE``; servers and schedulers never return."""
+    cfg = Config.from_env()
+    if cfg.role in ("server", "scheduler"):
+        # MXNet compatibility: the same script is started for every role.
+        from . import scheduler, server
+
+        sys.exit((server if cfg.role == "server" else scheduler).main())
+    setup_logging(cfg.verbose, "worker")
+    return DistStore(kind, cfg)
+
+
+def server_of(key, num_server: int) -> int:
+    """The server holding a small key: stable across processes and spread evenly."""
+    if isinstance(key, str):
+        return zlib.crc32(key.encode()) % num_server
+    return key % num_server
+
+
+class DistStore(KVStore):
+    def __init__(self, kind: str, cfg: Config):
+        super().__init__(kind)
+        self.cfg = cfg
+        self._sync = kind != "dist_async"
+        self._on_device = kind == "dist_device_sync"
+        self._ctx = zmq.Context()
+        self._control = Control(self._ctx, cfg, "worker", 0)
+        self._closed = False
+        self._failure: str | None = None
+        self._sockets: list = []
+        try:
+            book = self._control.wait(f"kvstore.create({kind!r})", ("book",),
+                                      cfg.start_timeout + 5)
+        except KVStoreError:
+            self._shutdown(finalize=False)
+            raise
+        self._rank = book.body["rank"]
+        self._num_workers = book.body["num_worker"]
+        self._servers = [tuple(s) for s in book.body["servers"]]
+        for host, port in self._servers:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"worker-{self._rank}".encode())
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"tcp://{host}:{port}")
+            self._sockets.append(sock)
+        self._poller = zmq.Poller()
+        for sock in self._sockets:
+            self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._control.pipe, zmq.POLLIN)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple] = {}  # request id -> (server index, reply handler)
+        self._layout: dict = {}  # key -> [(server, part, lo, hi)]
+        self._residuals: dict = {}
+        self._optimizer: Optimizer | None = None
+        log.info("worker %d of %d connected to %d servers", self._rank, self._num_workers,
+                 len(self._servers))
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    # ---- placement
+    def _place(self, key, size: int) -> list:
+        servers = len(self._servers)
+        if size >= self.cfg.bigarray_bound and servers > 1:
+            bounds = [size * i // servers for i in range(servers + 1)]
+            return [(i, i, bounds[i], bounds[i + 1]) for i in range(servers)]
+        return [(server_of(key, servers), 0, 0, size)]
+
+    # ---- transport
+    def _send(self, server: int, kind: str, body: dict, arrays=(), on_reply=None,
+              trackers=None) -> int:
+        self._check_alive()
+        msg_id = next(self._ids)
+        frames = encode(Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays)))
+        sock = self._sockets[server]
+        try:
+            for i, frame in enumerate(frames):
+                big = i > 0 and memoryview(frame).nbytes >= zmq.COPY_THRESHOLD
+                flags = zmq.NOBLOCK | (zmq.SNDMORE if i < len(frames) - 1 else 0)
+                tracker = sock.send(frame, flags, copy=not big, track=big)
+                if big and trackers is not None:
+                    trackers.append(tracker)
+        except zmq.Again:
+            raise KVStoreError(f"{kind}: cannot send to {self._server_name(server)}: its queue "
+                               "is full (is it alive?)") from None
+        self._pending[msg_id] = (server, on_reply)
+        return msg_id
+
+    def _server_name(self, server: int) -> str:
+        host, port = self._servers[server]
+        return f"server {server} ({host}:{port})"
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise KVStoreError("the store is closed")
+        if self._failure:
+            raise KVStoreError(self._failure)
+
+    def _wait(self, what: str, ids=None, trackers=()) -> None:
+        """Collect replies until ``ids`` (default: every request in flight) are answered and
+        ``trackers`` report their buffers sent. Errors, failures and the deadline raise."""
+        self._check_alive()
+        waiting = set(self._pending) if ids is None else set(ids)
+        deadline = time.monotonic() + self.cfg.request_timeout
+        trackers = list(trackers)
+        while True:
+            waiting &= self._pending.keys()
+            trackers = [t for t in trackers if not t.done]
+            if not waiting and not trackers:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                servers = sorted({self._pending[i][0] for i in waiting})
+                names = ", ".join(self._server_name(s) for s in servers) or "the network"
+                raise KVStoreError(f"{what}: no reply from {names} within "
+                                   f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)")
+            timeout = min(left, 0.01 if trackers else left)
+            for sock, _ in self._poller.poll(timeout * 1000):
+                if sock is self._control.pipe:
+                    self._on_control(self._control.recv(), what)
+                else:
+                    self._on_reply(sock.recv_multipart(copy=False), what)
+
+    def _on_control(self, msg: Message, what: str) -> None:
+        try:
+            raise_for(msg, what)
+        except KVStoreError as exc:
+            self._failure = str(exc)
+            raise
+
+    def _on_reply(self, frames, what: str) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            raise KVStoreError(f"{what}: bad reply from a server: {exc}") from None
+        entry = self._pending.pop(msg.id, None)
+        if entry is None:
+            return
+        if msg.kind == "error":
+            raise KVStoreError(f"{what}: {msg.body['message']}")
+        handler = entry[1]
+        if handler is not None:
+            handler(msg)
+
+    # ---- the store operations
+    def _init(self, items):
+        for item in items:
+            self._layout[item.key] = self._place(item.key, item.values[0].size)
+        if self._rank == 0:
+            batches = self._batches(items, lambda item: self._flat(item.values[:1]))
+            ids = [self._send(s, "init", {"keys": keys}, arrays)
+                   for s, (keys, arrays, _) in batches.items()]
+            self._wait("init", ids)
+        self.barrier()
+
+    def _push(self, items):
+        self._send_push("push", items, None)
+
+    def _pull(self, items):
+        on_reply, finish = self._receiver(items)
+        ids = [self._send(s, "pull", {"keys": keys}, on_reply=on_reply)
+               for s, (keys, _, _) in self._batches(items, None).items()]
+        self._wait("pull", ids)
+        finish()
+
+    def _pushpull(self, items):
+        on_reply, finish = self._receiver(items)
+        ids = self._send_push("pushpull", items, on_reply)
+        self._wait("pushpull", ids)
+        finish()
+
+    def _send_push(self, kind: str, items, on_reply) -> list:
+        batches = self._batches(items, lambda item: self._flat(item.values), compress=True)
+        body = {"sync": self._sync}
+        if self._compression is not None:
+            body["compression"] = {"type": self._compression.kind,
+                                   "threshold": self._compression.threshold}
+        trackers: list = []
+        ids = []
+        for server, (keys, arrays, headers) in batches.items():
+            extra = {"headers": headers} if self._compression is not None else {}
+            ids.append(self._send(server, kind, {"keys": keys, **body, **extra}, arrays,
+                                  on_reply, trackers))
+        # Return only when ZeroMQ has let go of the caller's buffers: they may be reused now.
+        self._wait(kind, ids=(), trackers=trackers)
+        return ids
+
+    def _flat(self, values) -> np.ndarray:
+        """The sum of a key's device arrays as one flat, contiguous host array."""
+        dtype = values[0].dtype if len(values) == 1 else None
+        first = values[0]
+        if len(values) == 1 and namespace(first) is np and first.flags.c_contiguous:
+            return first.reshape(-1)
+        total = reduce_sum(values, dtype or first.dtype, on_device=self._on_device)
+        return np.ascontiguousarray(to_host(total)).reshape(-1)
+
+    def _batches(self, items, flatten, compress=False) -> dict:
+        """server -> ([wire key], [array slice], [compression header]) for ``items``."""
+        batches: dict = {}
+        for item in items:
+            flat = None
+            if flatten is not None:
+                flat = flatten(item)
+                meta = self._meta[item.key] if item.key in self._meta else None
+                if meta is not None and flat.dtype != meta.dtype:
+                    flat = flat.astype(meta.dtype)
+            for server, part, lo, hi in self._layout[item.key]:
+                keys, arrays, headers = batches.setdefault(server, ([], [], []))
+                keys.append([item.key, part])
+                if flat is None:
+                    continue
+                piece = flat[lo:hi]
+                if compress and self._compression is not None:
+                    packed, header = self._compression.encode(self._residuals,
+                                                              (item.key, part), piece)
+                    piece = packed
+                    headers.append(header)
+                arrays.append(piece)
+        return batches
+
+    def _receiver(self, items):
+        """A reply handler writing pulled slices into each item's outputs, and a finisher
+        that copies to every further output (other devices, other dtypes)."""
+        targets = {}
+        staged = []
+        for item in items:
+            first = item.outs[0]
+            meta = self._meta[item.key]
+            direct = (namespace(first) is np and first.flags.c_contiguous
+                      and first.dtype == meta.dtype)
+            flat = first.reshape(-1) if direct else np.empty(int(np.prod(meta.shape)), meta.dtype)
+            targets[item.key] = (flat, {p: (lo, hi) for _, p, lo, hi in self._layout[item.key]})
+            staged.append((item, flat, direct))
+
+        def on_reply(msg: Message) -> None:
+            for (key, part), array in zip(msg.body["keys"], msg.arrays, strict=True):
+                flat, parts = targets[key]
+                lo, hi = parts[part]
+                flat[lo:hi] = array
+
+        def finish() -> None:
+            for item, flat, direct in staged:
+                source = flat.reshape(self._meta[item.key].shape)
+                for out in item.outs[1:] if direct else item.outs:
+                    copy_into(out, source)
+
+        return on_reply, finish
+
+    # ---- collective and control
+    def barrier(self) -> None:
+        """Wait until every worker has called ``barrier`` (and this worker's pushes are done)."""
+        self._wait("barrier")
+        self._control.send("barrier", {"group": "worker"})
+        try:
+            self._control.wait("barrier", ("barrier_done",), self.cfg.request_timeout)
+        except KVStoreError as exc:
+            self._failure = str(exc)
+            raise
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Send the optimizer (as a spec) to every server: rank 0 does, the others record it."""
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        spec = optimizer.spec()
+        self._optimizer = optimizer
+        if self._rank == 0:
+            ids = [self._send(s, "optimizer", {"spec": spec}) for s in range(len(self._servers))]
+            self._wait("set_optimizer", ids)
+
+    def set_updater(self, updater) -> None:
+        raise ValueError(f"{self.type}: updates run on the servers, and a Python callable "
+                         "cannot be sent there; use set_optimizer")
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Gather every server's optimizer state into one file."""
+        blobs = [b""] * len(self._servers)
+
+        def keep(server):
+            return lambda msg: blobs.__setitem__(server, msg.arrays[0].tobytes())
+
+        ids = [self._send(s, "command", {"name": "get_states"}, on_reply=keep(s))
+               for s in range(len(self._servers))]
+        self._wait("save_optimizer_states", ids)
+        with open(fname, "wb") as f:
+            f.write(msgpack.packb({"num_server": len(self._servers), "servers": blobs}))
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Give every server back its part of :meth:`save_optimizer_states`'s file."""
+        with open(fname, "rb") as f:
+            try:
+                saved = msgpack.unpackb(f.read())
+                blobs = saved["servers"]
+            except Exception:
+                raise ValueError(f"{fname}: not a distributed optimizer state file") from None
+        if len(blobs) != len(self._servers):
+            raise ValueError(f"{fname} holds the state of {len(blobs)} servers; this job has "
+                             f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER")
+        ids = [self._send(s, "command", {"name": "set_states"}, [np.frombuffer(b, np.uint8)])
+               for s, b in enumerate(blobs)]
+        self._wait("load_optimizer_states", ids)
+
+    def close(self) -> None:
+        """Finish this worker's requests and tell the scheduler it is done."""
+        if self._closed:
+            return
+        finalize = True
+        try:
+            if self._failure is None:
+                self._wait("close")
+        except KVStoreError as exc:
+            log.error("close: %s", exc)
+            finalize = self._failure is None
+            raise
+        finally:
+            self._shutdown(finalize and self._failure is None)
+
+    def _shutdown(self, finalize: bool) -> None:
+        self._closed = True
+        self._control.close(finalize=finalize)
+        for sock in self._sockets:
+            sock.close(linger=0 if self._failure else 1000)
+        self._ctx.term()

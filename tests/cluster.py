@@ -1,0 +1,101 @@
+"""Start a real cluster (scheduler, servers, workers) as subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(num_server: int, num_worker: int, port: int | None = None, **extra) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port or free_port()),
+        "DMLC_NUM_SERVER": str(num_server), "DMLC_NUM_WORKER": str(num_worker),
+        "DMLC_NODE_HOST": "127.0.0.1", "PYTHONPATH": str(ROOT),
+        "KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_START_TIMEOUT": "30",
+        "KVSTORE_TIMEOUT": "60", "KVSTORE_ROUND_TIMEOUT": "30",
+    })
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Cluster:
+    """Scheduler + servers now; workers run a snippet of Python via :meth:`run_workers`.
+
+    Every process is stopped (by PID) in :meth:`stop`, whatever happened.
+    """
+
+    def __init__(self, num_server: int, num_worker: int, tmp: Path, **env):
+        self.num_server, self.num_worker, self.tmp = num_server, num_worker, Path(tmp)
+        self.env = base_env(num_server, num_worker, **env)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self._spawn("scheduler", [sys.executable, "-m", "kvstore.scheduler"], "scheduler")
+        for i in range(num_server):
+            self._spawn(f"server{i}", [sys.executable, "-m", "kvstore.server"], "server")
+
+    def _spawn(self, name: str, argv: list, role: str, env=None) -> subprocess.Popen:
+        log = self.tmp / f"{name}.log"
+        self.logs[name] = log
+        proc_env = dict(env or self.env, DMLC_ROLE=role)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, env=proc_env, stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=self.tmp)
+        self.procs[name] = proc
+        return proc
+
+    def start_workers(self, code: str, args=(), env=None) -> list[subprocess.Popen]:
+        script = self.tmp / "worker_script.py"
+        script.write_text(textwrap.dedent(code))
+        return [self._spawn(f"worker{i}", [sys.executable, str(script), *map(str, args)],
+                            "worker", env) for i in range(self.num_worker)]
+
+    def run_workers(self, code: str, args=(), timeout: float = 60, env=None) -> list[str]:
+        """Run ``code`` in every worker; return their outputs, or fail with the logs."""
+        workers = self.start_workers(code, args, env)
+        codes = self.wait(workers, timeout)
+        outputs = [self.output(f"worker{i}") for i in range(self.num_worker)]
+        if any(codes):
+            raise AssertionError(f"workers exited {codes}\n{self.dump()}")
+        return outputs
+
+    def wait(self, procs, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"process {proc.args} still running after {timeout}s\n"
+                                     f"{self.dump()}") from None
+        return codes
+
+    def output(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    def dump(self) -> str:
+        return "\n".join(f"--- {n}\n{self.output(n)[-3000:]}" for n in self.logs)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
