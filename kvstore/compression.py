@@ -36,19 +36,22 @@ class Compression:
     @classmethod
     def from_params(cls, params: dict) -> Compression:
         if not isinstance(params, dict) or "type" not in params:
-            raise ValueError("gradient compression takes a dict such as "
-                             f"{{'type': '2bit', 'threshold': 0.5}}; got {params!r}")
+            raise ValueError(
+                "gradient compression takes a dict such as "
+                f"{{'type': '2bit', 'threshold': 0.5}}; got {params!r}"
+            )
         kind = params["type"]
         if kind not in _KINDS:
             raise ValueError(f"unknown gradient compression type {kind!r}; valid: {_KINDS}")
         extra = set(params) - {"type", "threshold"}
         if extra or (kind == "1bit" and "threshold" in params):
-            raise ValueError(f"unknown gradient compression parameters for {kind}: "
-                             f"{sorted(extra) or ['threshold']}")
+            raise ValueError(
+                f"unknown gradient compression parameters for {kind}: "
+                f"{sorted(extra) or ['threshold']}"
+            )
         threshold = params.get("threshold", 0.5)
         if kind == "2bit" and (not isinstance(threshold, (int, float)) or not threshold > 0):
-            raise ValueError(f"2bit compression: threshold must be a number > 0, got "
-                             f"{threshold!r}")
+            raise ValueError(f"2bit compression: threshold must be a number > 0, got {threshold!r}")
         return cls(kind, float(threshold))
 
     @property

@@ -42,8 +42,10 @@ class Config:
         env = os.environ if env is None else env
         role = env.get("DMLC_ROLE", "")
         if role not in ROLES:
-            raise ValueError(f"DMLC_ROLE must be one of {ROLES}, got {role!r}: start distributed "
-                             "jobs with launch.py, or set DMLC_ROLE and the DMLC_* variables")
+            raise ValueError(
+                f"DMLC_ROLE must be one of {ROLES}, got {role!r}: start distributed "
+                "jobs with launch.py, or set DMLC_ROLE and the DMLC_* variables"
+            )
         root_uri = _require(env, "DMLC_PS_ROOT_URI")
         interval = _number(env, "KVSTORE_HEARTBEAT_INTERVAL", 1.0, float, low=0.01)
         cfg = cls(
@@ -58,10 +60,16 @@ class Config:
             request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
             round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 300.0, float, low=0.1),
             heartbeat_interval=interval,
-            heartbeat_timeout=_number(env, "KVSTORE_HEARTBEAT_TIMEOUT", 5 * interval, float,
-                                      low=2 * interval),
-            bigarray_bound=_number(env, "KVSTORE_BIGARRAY_BOUND",
-                                   env.get("MXNET_KVSTORE_BIGARRAY_BOUND", 1_000_000), int, low=1),
+            heartbeat_timeout=_number(
+                env, "KVSTORE_HEARTBEAT_TIMEOUT", 5 * interval, float, low=2 * interval
+            ),
+            bigarray_bound=_number(
+                env,
+                "KVSTORE_BIGARRAY_BOUND",
+                env.get("MXNET_KVSTORE_BIGARRAY_BOUND", 1_000_000),
+                int,
+                low=1,
+            ),
             server_port=_number(env, "KVSTORE_SERVER_PORT", 0, int, low=0, high=65535),
         )
         return cfg
@@ -111,8 +119,10 @@ def interface_address(name: str) -> str:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
         return socket.inet_ntoa(packed[20:24])
     except OSError as exc:
-        raise ValueError(f"DMLC_INTERFACE={name!r}: no IPv4 address on that interface "
-                         f"({exc.strerror}); see `ip addr` for the names") from None
+        raise ValueError(
+            f"DMLC_INTERFACE={name!r}: no IPv4 address on that interface "
+            f"({exc.strerror}); see `ip addr` for the names"
+        ) from None
 
 
 def setup_logging(verbose: int, prefix: str) -> None:

@@ -32,8 +32,9 @@ class Control:
         self.pipe = ctx.socket(zmq.PAIR)  # belongs to the node's thread
         self.pipe.bind(endpoint)
         self._endpoint = endpoint
-        self._thread = threading.Thread(target=self._run, name=f"kvstore-{role}-control",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvstore-{role}-control", daemon=True
+        )
         self._thread.start()
 
     # ---- the node's side
@@ -51,8 +52,10 @@ class Control:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.pipe.poll(left * 1000):
-                raise KVStoreError(f"{what}: no answer from the scheduler at "
-                                   f"{self.cfg.scheduler_address} within {timeout:g}s")
+                raise KVStoreError(
+                    f"{what}: no answer from the scheduler at "
+                    f"{self.cfg.scheduler_address} within {timeout:g}s"
+                )
             msg = self.recv()
             if msg.kind in kinds:
                 return msg
@@ -80,9 +83,23 @@ class Control:
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.IDENTITY, f"{self.role}-{os.getpid()}-{id(self)}".encode())
         sock.connect(cfg.scheduler_address)
-        sock.send_multipart(encode(Message("register", 0, self.role, {
-            "role": self.role, "host": cfg.node_host, "port": self.port,
-            "num_server": cfg.num_server, "num_worker": cfg.num_worker, "pid": os.getpid()})))
+        sock.send_multipart(
+            encode(
+                Message(
+                    "register",
+                    0,
+                    self.role,
+                    {
+                        "role": self.role,
+                        "host": cfg.node_host,
+                        "port": self.port,
+                        "num_server": cfg.num_server,
+                        "num_worker": cfg.num_worker,
+                        "pid": os.getpid(),
+                    },
+                )
+            )
+        )
         log.info("%s registering with the scheduler at %s", self.role, cfg.scheduler_address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -96,9 +113,8 @@ class Control:
                     sock.send_multipart(encode(Message("heartbeat", 0, self.role)))
                     next_beat = now + cfg.heartbeat_interval
                 if registered and not finalizing and now - last_heard > cfg.heartbeat_timeout:
-                    peer.send_multipart(encode(Message("node_failed", 0, "control", {
-                        "node": f"scheduler ({cfg.root_uri}:{cfg.root_port})",
-                        "reason": f"the scheduler sent nothing for {now - last_heard:.1f}s"})))
+                    silent = now - last_heard
+                    peer.send_multipart(encode(_scheduler_failed(cfg, silent)))
                     registered = False  # say it once
                 events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
                 if sock in events:
@@ -123,6 +139,12 @@ class Control:
         finally:
             sock.close()
             peer.close(linger=0)
+
+
+def _scheduler_failed(cfg: Config, silent: float) -> Message:
+    node = f"scheduler ({cfg.root_uri}:{cfg.root_port})"
+    reason = f"the scheduler sent nothing for {silent:.1f}s"
+    return Message("node_failed", 0, "control", {"node": node, "reason": reason})
 
 
 def raise_for(msg: Message, what: str) -> None:

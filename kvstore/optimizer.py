@@ -33,22 +33,34 @@ class FactorScheduler:
     ``step``.
     """
 
-    def __init__(self, step: int, factor: float = 1.0, stop_factor_lr: float = 1e-8,
-                 base_lr: float = 0.01):
+    def __init__(
+        self, step: int, factor: float = 1.0, stop_factor_lr: float = 1e-8, base_lr: float = 0.01
+    ):
         if step < 1:
             raise ValueError(f"FactorScheduler: step must be >= 1, got {step}")
         if factor > 1.0:
             raise ValueError(f"FactorScheduler: factor must be <= 1, got {factor}")
         self.step, self.factor, self.stop_factor_lr, self.base_lr = (
-            int(step), float(factor), float(stop_factor_lr), float(base_lr))
+            int(step),
+            float(factor),
+            float(stop_factor_lr),
+            float(base_lr),
+        )
 
     def __call__(self, num_update: int) -> float:
         drops = max(0, (num_update - 1) // self.step)
-        return max(self.base_lr * self.factor ** drops, self.stop_factor_lr)
+        return max(self.base_lr * self.factor**drops, self.stop_factor_lr)
 
     def spec(self) -> dict:
-        return {"name": "factor", "params": {"step": self.step, "factor": self.factor,
-                "stop_factor_lr": self.stop_factor_lr, "base_lr": self.base_lr}}
+        return {
+            "name": "factor",
+            "params": {
+                "step": self.step,
+                "factor": self.factor,
+                "stop_factor_lr": self.stop_factor_lr,
+                "base_lr": self.base_lr,
+            },
+        }
 
 
 class MultiFactorScheduler:
@@ -63,8 +75,10 @@ class MultiFactorScheduler:
         return self.base_lr * self.factor ** sum(num_update > s for s in self.step)
 
     def spec(self) -> dict:
-        return {"name": "multifactor",
-                "params": {"step": self.step, "factor": self.factor, "base_lr": self.base_lr}}
+        return {
+            "name": "multifactor",
+            "params": {"step": self.step, "factor": self.factor, "base_lr": self.base_lr},
+        }
 
 
 _SCHEDULERS = {"factor": FactorScheduler, "multifactor": MultiFactorScheduler}
@@ -78,8 +92,14 @@ class Optimizer:
     name = ""
     _extra: tuple[str, ...] = ()  # subclass hyper-parameters, in spec order
 
-    def __init__(self, learning_rate: float = 0.01, wd: float = 0.0, rescale_grad: float = 1.0,
-                 clip_gradient: float | None = None, lr_scheduler=None):
+    def __init__(
+        self,
+        learning_rate: float = 0.01,
+        wd: float = 0.0,
+        rescale_grad: float = 1.0,
+        clip_gradient: float | None = None,
+        lr_scheduler=None,
+    ):
         if learning_rate < 0 or wd < 0:
             raise ValueError(f"{type(self).__name__}: learning_rate and wd must be >= 0")
         if clip_gradient is not None and clip_gradient <= 0:
@@ -112,13 +132,19 @@ class Optimizer:
         raise NotImplementedError
 
     def spec(self) -> dict:
-        params = {"learning_rate": self.lr, "wd": self.wd, "rescale_grad": self.rescale_grad,
-                  "clip_gradient": self.clip_gradient}
+        params = {
+            "learning_rate": self.lr,
+            "wd": self.wd,
+            "rescale_grad": self.rescale_grad,
+            "clip_gradient": self.clip_gradient,
+        }
         params.update({k: getattr(self, k) for k in self._extra})
         if self.lr_scheduler is not None:
             if not hasattr(self.lr_scheduler, "spec"):
-                raise TypeError("a distributed store needs an lr_scheduler with .spec() "
-                                "(FactorScheduler, MultiFactorScheduler)")
+                raise TypeError(
+                    "a distributed store needs an lr_scheduler with .spec() "
+                    "(FactorScheduler, MultiFactorScheduler)"
+                )
             params["lr_scheduler"] = self.lr_scheduler.spec()
         return {"name": self.name, "params": params}
 
@@ -185,8 +211,14 @@ class Adam(Optimizer):
     name = "adam"
     _extra = ("beta1", "beta2", "epsilon")
 
-    def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, **kwargs):
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-8,
+        **kwargs,
+    ):
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
@@ -245,8 +277,15 @@ class RMSProp(Optimizer):
     name = "rmsprop"
     _extra = ("gamma1", "gamma2", "epsilon", "centered")
 
-    def __init__(self, learning_rate: float = 0.001, gamma1: float = 0.9, gamma2: float = 0.9,
-                 epsilon: float = 1e-8, centered: bool = False, **kwargs):
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        gamma1: float = 0.9,
+        gamma2: float = 0.9,
+        epsilon: float = 1e-8,
+        centered: bool = False,
+        **kwargs,
+    ):
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.gamma1, self.gamma2, self.epsilon = float(gamma1), float(gamma2), float(epsilon)
         self.centered = bool(centered)
@@ -324,10 +363,13 @@ class Updater:
 
     def dumps(self) -> bytes:
         """The state as bytes (msgpack; arrays as raw little-endian buffers)."""
-        entries = [[_wire_key(k), self.counts.get(k, 0), [_pack(a) for a in state]]
-                   for k, state in self.states.items()]
-        return msgpack.packb({"optimizer": self.optimizer.spec(), "num_update": self.num_update,
-                              "entries": entries})
+        entries = [
+            [_wire_key(k), self.counts.get(k, 0), [_pack(a) for a in state]]
+            for k, state in self.states.items()
+        ]
+        return msgpack.packb(
+            {"optimizer": self.optimizer.spec(), "num_update": self.num_update, "entries": entries}
+        )
 
     def loads(self, blob: bytes, like: dict | None = None) -> None:
         """Load :meth:`dumps` output. ``like`` maps a key to a weight, whose array module and
@@ -346,8 +388,9 @@ class Updater:
 def unpack_states(blob: bytes) -> dict:
     try:
         data = msgpack.unpackb(blob, strict_map_key=False)
-        data["entries"] = [(_from_wire_key(k), c, [_unpack(a) for a in arrs])
-                           for k, c, arrs in data["entries"]]
+        data["entries"] = [
+            (_from_wire_key(k), c, [_unpack(a) for a in arrs]) for k, c, arrs in data["entries"]
+        ]
         return data
     except Exception as exc:
         raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None

@@ -29,8 +29,14 @@ _KEY = (int, str)
 # kind -> required body fields and their types. Replies carry the request's id.
 SCHEMA: dict[str, dict[str, tuple]] = {
     # node <-> scheduler
-    "register": {"role": (str,), "host": (str,), "port": (int,), "num_server": (int,),
-                 "num_worker": (int,), "pid": (int,)},
+    "register": {
+        "role": (str,),
+        "host": (str,),
+        "port": (int,),
+        "num_server": (int,),
+        "num_worker": (int,),
+        "pid": (int,),
+    },
     "book": {"rank": (int,), "servers": (list,), "num_server": (int,), "num_worker": (int,)},
     "heartbeat": {},
     "barrier": {"group": (str,)},
@@ -73,10 +79,18 @@ def encode(msg: Message) -> list:
     if msg.kind not in SCHEMA:
         raise ProtocolError(f"unknown message kind {msg.kind!r}")
     arrays = [np.ascontiguousarray(a) for a in msg.arrays]
-    header = {"v": VERSION, "k": msg.kind, "id": msg.id, "from": msg.sender, "b": msg.body,
-              "a": [[a.dtype.str, list(a.shape)] for a in arrays]}
-    return [msgpack.packb(header), *(memoryview(a).cast("B") if a.ndim else a.tobytes()
-                                     for a in arrays)]
+    header = {
+        "v": VERSION,
+        "k": msg.kind,
+        "id": msg.id,
+        "from": msg.sender,
+        "b": msg.body,
+        "a": [[a.dtype.str, list(a.shape)] for a in arrays],
+    }
+    return [
+        msgpack.packb(header),
+        *(memoryview(a).cast("B") if a.ndim else a.tobytes() for a in arrays),
+    ]
 
 
 def decode(frames: list) -> Message:
@@ -92,8 +106,10 @@ def decode(frames: list) -> Message:
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
     version = header.get("v")
     if version != VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not supported (this node speaks "
-                            f"{VERSION}); run the same kvstore version on every node")
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this node speaks "
+            f"{VERSION}); run the same kvstore version on every node"
+        )
     kind = header.get("k")
     if kind not in SCHEMA:
         raise ProtocolError(f"unknown message kind {kind!r}")
@@ -102,14 +118,17 @@ def decode(frames: list) -> Message:
         raise ProtocolError(f"{kind}: header needs int 'id', str 'from' and map 'b'")
     for name, types in SCHEMA[kind].items():
         if not isinstance(body.get(name), types):
-            raise ProtocolError(f"{kind}: field {name!r} missing or not "
-                                f"{'/'.join(t.__name__ for t in types)}")
+            raise ProtocolError(
+                f"{kind}: field {name!r} missing or not {'/'.join(t.__name__ for t in types)}"
+            )
     if "keys" in SCHEMA[kind]:
         _check_keys(kind, body["keys"])
     if not isinstance(specs, list) or len(specs) != len(buffers) - 1:
-        raise ProtocolError(f"{kind}: header describes "
-                            f"{len(specs) if isinstance(specs, list) else '?'} arrays but "
-                            f"{len(buffers) - 1} array frames arrived (truncated message?)")
+        raise ProtocolError(
+            f"{kind}: header describes "
+            f"{len(specs) if isinstance(specs, list) else '?'} arrays but "
+            f"{len(buffers) - 1} array frames arrived (truncated message?)"
+        )
     if kind in _KEYED_ARRAYS and len(specs) != len(body["keys"]):
         raise ProtocolError(f"{kind}: {len(body['keys'])} keys but {len(specs)} arrays")
     arrays = [_array(kind, spec, buf) for spec, buf in zip(specs, buffers[1:], strict=True)]
@@ -118,8 +137,13 @@ def decode(frames: list) -> Message:
 
 def _check_keys(kind: str, keys: list) -> None:
     for key in keys:
-        if (not isinstance(key, list) or len(key) != 2 or not isinstance(key[0], _KEY)
-                or isinstance(key[0], bool) or not isinstance(key[1], int)):
+        if (
+            not isinstance(key, list)
+            or len(key) != 2
+            or not isinstance(key[0], _KEY)
+            or isinstance(key[0], bool)
+            or not isinstance(key[1], int)
+        ):
             raise ProtocolError(f"{kind}: each key must be [int or str, part index], got {key!r}")
 
 
@@ -135,8 +159,10 @@ def _array(kind: str, spec, buf) -> np.ndarray:
     expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
     got = memoryview(buf).nbytes
     if got != expected:
-        raise ProtocolError(f"{kind}: array frame of {got} bytes, expected {expected} for "
-                            f"dtype {dtype} shape {shape} (truncated frame?)")
+        raise ProtocolError(
+            f"{kind}: array frame of {got} bytes, expected {expected} for "
+            f"dtype {dtype} shape {shape} (truncated frame?)"
+        )
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 

@@ -55,9 +55,10 @@ class Scheduler:
             self.sock.bind(f"tcp://{bind_host(cfg.root_uri)}:{cfg.root_port}")
         except zmq.ZMQError as exc:
             self.close()
-            raise OSError(f"scheduler cannot listen on {cfg.root_uri}:{cfg.root_port}: "
-                          f"{exc.strerror}; pick a free DMLC_PS_ROOT_PORT (launch.py --port)"
-                          ) from None
+            raise OSError(
+                f"scheduler cannot listen on {cfg.root_uri}:{cfg.root_port}: "
+                f"{exc.strerror}; pick a free DMLC_PS_ROOT_PORT (launch.py --port)"
+            ) from None
         self.nodes: dict[bytes, Node] = {}
         self.started = time.monotonic()
         self.ready = False
@@ -88,8 +89,13 @@ class Scheduler:
     # ---- the loop
     def run(self) -> int:
         """Serve until the job ends; returns the process exit status."""
-        log.info("scheduler listening on %s:%d for %d servers and %d workers",
-                 self.cfg.root_uri, self.cfg.root_port, self.cfg.num_server, self.cfg.num_worker)
+        log.info(
+            "scheduler listening on %s:%d for %d servers and %d workers",
+            self.cfg.root_uri,
+            self.cfg.root_port,
+            self.cfg.num_server,
+            self.cfg.num_worker,
+        )
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         tick = max(0.005, self.cfg.heartbeat_interval / 4)
@@ -117,8 +123,11 @@ class Scheduler:
         if msg.kind == "register":
             self._register(identity, msg)
         elif node is None:
-            self._error(identity, msg, f"scheduler: {msg.kind} from an unregistered node "
-                        f"{msg.sender!r}; register first")
+            self._error(
+                identity,
+                msg,
+                f"scheduler: {msg.kind} from an unregistered node {msg.sender!r}; register first",
+            )
         elif msg.kind == "heartbeat":
             if self.cfg.verbose:
                 log.debug("heartbeat from %s", node.name)
@@ -134,54 +143,95 @@ class Scheduler:
     def _register(self, identity: bytes, msg: Message) -> None:
         b = msg.body
         if (b["num_server"], b["num_worker"]) != (self.cfg.num_server, self.cfg.num_worker):
-            return self._error(identity, msg, (
-                f"scheduler: {b['role']} at {b['host']} belongs to a different job: it expects "
-                f"{b['num_server']} servers and {b['num_worker']} workers, this scheduler "
-                f"{self.cfg.num_server} and {self.cfg.num_worker} (DMLC_NUM_SERVER/WORKER)"))
+            return self._error(
+                identity,
+                msg,
+                (
+                    f"scheduler: {b['role']} at {b['host']} belongs to a different job: it expects "
+                    f"{b['num_server']} servers and {b['num_worker']} workers, this scheduler "
+                    f"{self.cfg.num_server} and {self.cfg.num_worker} (DMLC_NUM_SERVER/WORKER)"
+                ),
+            )
         if b["role"] not in ("server", "worker"):
             return self._error(identity, msg, f"scheduler: cannot register role {b['role']!r}")
         if identity in self.nodes:
-            return self._error(identity, msg, f"scheduler: duplicate registration from "
-                               f"{self.nodes[identity].name}")
+            return self._error(
+                identity, msg, f"scheduler: duplicate registration from {self.nodes[identity].name}"
+            )
         wanted = self.cfg.num_server if b["role"] == "server" else self.cfg.num_worker
         have = sum(n.role == b["role"] for n in self.nodes.values())
         if self.ready or have >= wanted:
-            return self._error(identity, msg, (
-                f"scheduler: too many {b['role']}s: {b['role']} at {b['host']} pid {b['pid']} "
-                f"arrived but all {wanted} have registered (DMLC_NUM_"
-                f"{'SERVER' if b['role'] == 'server' else 'WORKER'}={wanted})"))
-        self.nodes[identity] = Node(identity, b["role"], b["host"], b["port"], b["pid"],
-                                    time.monotonic())
-        log.info("registered %s at %s:%d (%d/%d %ss)", b["role"], b["host"], b["port"],
-                 have + 1, wanted, b["role"])
+            return self._error(
+                identity,
+                msg,
+                (
+                    f"scheduler: too many {b['role']}s: {b['role']} at {b['host']} pid {b['pid']} "
+                    f"arrived but all {wanted} have registered (DMLC_NUM_"
+                    f"{'SERVER' if b['role'] == 'server' else 'WORKER'}={wanted})"
+                ),
+            )
+        self.nodes[identity] = Node(
+            identity, b["role"], b["host"], b["port"], b["pid"], time.monotonic()
+        )
+        log.info(
+            "registered %s at %s:%d (%d/%d %ss)",
+            b["role"],
+            b["host"],
+            b["port"],
+            have + 1,
+            wanted,
+            b["role"],
+        )
         if len(self.nodes) == self.cfg.num_server + self.cfg.num_worker:
             self._send_book()
 
     def _send_book(self) -> None:
         for role in ("server", "worker"):
-            members = sorted((n for n in self.nodes.values() if n.role == role),
-                             key=lambda n: (n.host, n.port, n.pid))
+            members = sorted(
+                (n for n in self.nodes.values() if n.role == role),
+                key=lambda n: (n.host, n.port, n.pid),
+            )
             for rank, node in enumerate(members):
                 node.rank = rank
-        servers = sorted((n for n in self.nodes.values() if n.role == "server"),
-                         key=lambda n: n.rank)
+        servers = sorted(
+            (n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank
+        )
         book = [[n.host, n.port] for n in servers]
         for node in self.nodes.values():
-            self._send(node.identity, Message("book", 0, "scheduler", {
-                "rank": node.rank, "servers": book, "num_server": self.cfg.num_server,
-                "num_worker": self.cfg.num_worker}))
+            self._send(
+                node.identity,
+                Message(
+                    "book",
+                    0,
+                    "scheduler",
+                    {
+                        "rank": node.rank,
+                        "servers": book,
+                        "num_server": self.cfg.num_server,
+                        "num_worker": self.cfg.num_worker,
+                    },
+                ),
+            )
         self.ready = True
         log.info("all %d nodes registered; address book sent", len(self.nodes))
 
     def _barrier(self, node: Node, msg: Message) -> None:
         group = msg.body["group"]
         if group not in _GROUPS or node.role not in _GROUPS[group]:
-            return self._error(node.identity, msg, f"scheduler: {node.name} cannot join "
-                               f"barrier group {group!r} (valid: worker, server, all)")
+            return self._error(
+                node.identity,
+                msg,
+                f"scheduler: {node.name} cannot join "
+                f"barrier group {group!r} (valid: worker, server, all)",
+            )
         done = [n.name for n in self.nodes.values() if n.role in _GROUPS[group] and n.finalized]
         if done:
-            return self._error(node.identity, msg, f"barrier({group}): {', '.join(done)} "
-                               "already finished, so this barrier can never complete")
+            return self._error(
+                node.identity,
+                msg,
+                f"barrier({group}): {', '.join(done)} "
+                "already finished, so this barrier can never complete",
+            )
         state = self.barriers.setdefault(group, {"ids": {}, "t0": time.monotonic()})
         state["ids"][node.identity] = msg.id
         size = sum(n.role in _GROUPS[group] for n in self.nodes.values())
@@ -211,33 +261,47 @@ class Scheduler:
                 have = sum(n.role == role for n in self.nodes.values())
                 if have < wanted:
                     missing.append(f"{have} of {wanted} {role}s")
-            text = (f"start-up timed out after {self.cfg.start_timeout:g}s "
-                    f"(KVSTORE_START_TIMEOUT): only {' and '.join(missing)} registered with "
-                    f"the scheduler at {self.cfg.root_uri}:{self.cfg.root_port}")
+            text = (
+                f"start-up timed out after {self.cfg.start_timeout:g}s "
+                f"(KVSTORE_START_TIMEOUT): only {' and '.join(missing)} registered with "
+                f"the scheduler at {self.cfg.root_uri}:{self.cfg.root_port}"
+            )
             log.error("%s", text)
-            self._broadcast(Message("node_failed", 0, "scheduler", {"node": "scheduler",
-                                                                   "reason": text}))
+            self._broadcast(
+                Message("node_failed", 0, "scheduler", {"node": "scheduler", "reason": text})
+            )
             return 1
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.cfg.heartbeat_timeout:
-                reason = (f"{node.name} sent no heartbeat for {now - node.last_seen:.1f}s "
-                          f"(KVSTORE_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g}s): "
-                          "it died or hangs")
+                reason = (
+                    f"{node.name} sent no heartbeat for {now - node.last_seen:.1f}s "
+                    f"(KVSTORE_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g}s): "
+                    "it died or hangs"
+                )
                 log.error("node failed: %s", reason)
-                self._broadcast(Message("node_failed", 0, "scheduler",
-                                        {"node": node.name, "reason": reason}),
-                                skip=node.identity)
+                self._broadcast(
+                    Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason}),
+                    skip=node.identity,
+                )
                 return 1
         for group, state in list(self.barriers.items()):
             if now - state["t0"] > self.cfg.round_timeout:
                 arrived = set(state["ids"])
-                absent = [n.name for n in self.nodes.values()
-                          if n.role in _GROUPS[group] and n.identity not in arrived]
+                absent = [
+                    n.name
+                    for n in self.nodes.values()
+                    if n.role in _GROUPS[group] and n.identity not in arrived
+                ]
                 del self.barriers[group]
                 for identity, req_id in state["ids"].items():
-                    self._error(identity, Message("barrier", req_id), (
-                        f"barrier({group}) timed out after {self.cfg.round_timeout:g}s "
-                        f"(KVSTORE_ROUND_TIMEOUT): {', '.join(absent)} never arrived"))
+                    self._error(
+                        identity,
+                        Message("barrier", req_id),
+                        (
+                            f"barrier({group}) timed out after {self.cfg.round_timeout:g}s "
+                            f"(KVSTORE_ROUND_TIMEOUT): {', '.join(absent)} never arrived"
+                        ),
+                    )
         return None
 
 

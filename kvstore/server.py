@@ -75,8 +75,10 @@ class Server:
         except zmq.ZMQError as exc:
             self.sock.close()
             self.ctx.term()
-            raise OSError(f"server cannot listen on {cfg.node_host}:{cfg.server_port or '*'}: "
-                          f"{exc.strerror}; free the port or change KVSTORE_SERVER_PORT") from None
+            raise OSError(
+                f"server cannot listen on {cfg.node_host}:{cfg.server_port or '*'}: "
+                f"{exc.strerror}; free the port or change KVSTORE_SERVER_PORT"
+            ) from None
         self.control = Control(self.ctx, cfg, "server", self.port)
         self.keys: dict[tuple, KeyState] = {}
         self.active: set[tuple] = set()  # keys with a sync round under way
@@ -137,8 +139,7 @@ class Server:
             for i, frame in enumerate(frames):
                 last = i == len(frames) - 1
                 big = i > 0 and memoryview(frame).nbytes >= zmq.COPY_THRESHOLD
-                tracker = self.sock.send(frame, 0 if last else zmq.SNDMORE, copy=not big,
-                                         track=big)
+                tracker = self.sock.send(frame, 0 if last else zmq.SNDMORE, copy=not big, track=big)
                 if big and i - 1 < len(track_keys):
                     self.keys[track_keys[i - 1]].trackers.append(tracker)
         except zmq.ZMQError as exc:
@@ -153,8 +154,13 @@ class Server:
             self._send(req.identity, Message("ack", req.msg.id, self.name))
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
-        data = Message("data", req.msg.id, self.name, {"keys": req.msg.body["keys"]},
-                       [self.keys[k].stored for k in keys])
+        data = Message(
+            "data",
+            req.msg.id,
+            self.name,
+            {"keys": req.msg.body["keys"]},
+            [self.keys[k].stored for k in keys],
+        )
         self._send(req.identity, data, track_keys=keys)
 
     def _key_done(self, req: Request) -> None:
@@ -180,8 +186,9 @@ class Server:
             self._error(identity, Message("error"), f"bad message: {exc}")
             return
         if self.cfg.verbose >= 2:
-            log.debug("%s: %s %s from %s", self.name, msg.kind, msg.body.get("keys", ""),
-                      msg.sender)
+            log.debug(
+                "%s: %s %s from %s", self.name, msg.kind, msg.body.get("keys", ""), msg.sender
+            )
         try:
             rank = _worker_rank(identity, self.num_workers)
             handler = getattr(self, f"_on_{msg.kind}", None)
@@ -220,13 +227,17 @@ class Server:
             stored = self._state(key).stored
             if codec is None:
                 if array.dtype != stored.dtype or array.size != stored.size:
-                    raise ValueError(f"key {_show(key)}: got {array.size} x {array.dtype}, "
-                                     f"expected {stored.size} x {stored.dtype}")
+                    raise ValueError(
+                        f"key {_show(key)}: got {array.size} x {array.dtype}, "
+                        f"expected {stored.size} x {stored.dtype}"
+                    )
                 grads.append(array.reshape(-1))
                 continue
             if array.dtype != np.uint8 or array.size != packed_size(codec.kind, stored.size):
-                raise ValueError(f"key {_show(key)}: compressed frame of {array.size} bytes, "
-                                 f"expected {packed_size(codec.kind, stored.size)}")
+                raise ValueError(
+                    f"key {_show(key)}: compressed frame of {array.size} bytes, "
+                    f"expected {packed_size(codec.kind, stored.size)}"
+                )
             grads.append(codec.decode(array, header, stored.size, stored.dtype.type))
         return grads
 
@@ -300,8 +311,9 @@ class Server:
             try:
                 tracker.wait(self.cfg.request_timeout)
             except zmq.NotDone:
-                log.warning("%s: a reply was not sent within %gs", self.name,
-                            self.cfg.request_timeout)
+                log.warning(
+                    "%s: a reply was not sent within %gs", self.name, self.cfg.request_timeout
+                )
         state.trackers.clear()
 
     def _expire_rounds(self, now: float) -> None:
@@ -310,10 +322,12 @@ class Server:
             if now - state.started <= self.cfg.round_timeout:
                 continue
             missing = sorted(set(range(self.num_workers)) - set(state.pushers))
-            text = (f"dist_sync round of key {_show(key)} timed out after "
-                    f"{self.cfg.round_timeout:g}s (KVSTORE_ROUND_TIMEOUT): worker rank(s) "
-                    f"{missing} did not push it, rank(s) {sorted(state.pushers)} did; every "
-                    "worker must push each key the same number of times")
+            text = (
+                f"dist_sync round of key {_show(key)} timed out after "
+                f"{self.cfg.round_timeout:g}s (KVSTORE_ROUND_TIMEOUT): worker rank(s) "
+                f"{missing} did not push it, rank(s) {sorted(state.pushers)} did; every "
+                "worker must push each key the same number of times"
+            )
             log.error("%s: %s", self.name, text)
             for req in [*state.pushers.values(), *state.pullers]:
                 self._fail(req, text)
@@ -346,8 +360,9 @@ def _worker_rank(identity: bytes, num_workers: int) -> int:
     name = identity.decode(errors="replace")
     prefix, _, rank = name.partition("-")
     if prefix != "worker" or not rank.isdigit() or int(rank) >= num_workers:
-        raise ValueError(f"unknown peer {name!r}: only workers 0..{num_workers - 1} may talk "
-                         "to a server")
+        raise ValueError(
+            f"unknown peer {name!r}: only workers 0..{num_workers - 1} may talk to a server"
+        )
     return int(rank)
 
 

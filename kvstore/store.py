@@ -45,8 +45,9 @@ def _as_list(value, what: str, key) -> list:
         raise ValueError(f"{what}(key={key!r}): empty list of arrays")
     for a in items:
         if not is_array(a):
-            raise TypeError(f"{what}(key={key!r}): expected a NumPy or CuPy array, "
-                            f"got {type(a).__name__}")
+            raise TypeError(
+                f"{what}(key={key!r}): expected a NumPy or CuPy array, got {type(a).__name__}"
+            )
     return items
 
 
@@ -102,9 +103,11 @@ class KVStore:
         norm = [_norm_key(k) for k in key_list]
         kinds = {type(k) for k in norm} | ({self._key_kind} if self._key_kind else set())
         if len(kinds) > 1:
-            raise TypeError(f"{what}: int and str keys cannot be mixed in one store "
-                            f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
-                            f"got {norm!r})")
+            raise TypeError(
+                f"{what}: int and str keys cannot be mixed in one store "
+                f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
+                f"got {norm!r})"
+            )
         if len(set(norm)) != len(norm):
             raise ValueError(f"{what}: duplicate keys in one call: {norm!r}")
         per_key = {}
@@ -116,18 +119,24 @@ class KVStore:
             else:
                 if not isinstance(given, (list, tuple)) or len(given) != len(norm):
                     n = len(given) if isinstance(given, (list, tuple)) else 1
-                    raise ValueError(f"{what}: {len(norm)} keys but {n} {name}; give one "
-                                     "array (or list of arrays) per key")
+                    raise ValueError(
+                        f"{what}: {len(norm)} keys but {n} {name}; give one "
+                        "array (or list of arrays) per key"
+                    )
                 per_key[name] = list(given)
         items = []
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
-            item = Item(key, [] if v is None else _as_list(v, what, key),
-                        [] if o is None else _as_list(o, what, key))
+            item = Item(
+                key,
+                [] if v is None else _as_list(v, what, key),
+                [] if o is None else _as_list(o, what, key),
+            )
             if need_init:
                 meta = self._meta.get(key)
                 if meta is None:
-                    raise KeyError(f"{what}(key={key!r}): key was never initialised; "
-                                   "call init first")
+                    raise KeyError(
+                        f"{what}(key={key!r}): key was never initialised; call init first"
+                    )
                 for a in item.values:
                     self._check(what, key, a, meta, "value")
                 for a in item.outs:
@@ -138,12 +147,16 @@ class KVStore:
     @staticmethod
     def _check(what, key, array, meta: Meta, role: str) -> None:
         if tuple(array.shape) != meta.shape:
-            raise ValueError(f"{what}(key={key!r}): {role} shape {tuple(array.shape)} does not "
-                             f"match the initialised shape {meta.shape}")
+            raise ValueError(
+                f"{what}(key={key!r}): {role} shape {tuple(array.shape)} does not "
+                f"match the initialised shape {meta.shape}"
+            )
         src, dst = (array.dtype, meta.dtype) if role == "value" else (meta.dtype, array.dtype)
         if not np.can_cast(src, dst, "same_kind"):
-            raise TypeError(f"{what}(key={key!r}): {role} dtype {array.dtype} does not match "
-                            f"the initialised dtype {meta.dtype} (no same-kind cast)")
+            raise TypeError(
+                f"{what}(key={key!r}): {role} dtype {array.dtype} does not match "
+                f"the initialised dtype {meta.dtype} (no same-kind cast)"
+            )
 
     # ---- public API
     def init(self, key, value) -> None:
@@ -226,8 +239,10 @@ class LocalStore(KVStore):
         stored = self._store[item.key]
         values = item.values
         if self._compression is not None:
-            values = [self._compression.roundtrip(self._residuals, (item.key, i), v)
-                      for i, v in enumerate(values)]
+            values = [
+                self._compression.roundtrip(self._residuals, (item.key, i), v)
+                for i, v in enumerate(values)
+            ]
         return reduce_sum(values, stored.dtype, on_device=self._on_device)
 
     def _push(self, items):
@@ -252,8 +267,10 @@ class LocalStore(KVStore):
     def set_optimizer(self, optimizer: opt.Optimizer) -> None:
         """Apply ``optimizer`` in the store on every push: ``w = opt(w, sum_of_grads)``."""
         if not isinstance(optimizer, opt.Optimizer):
-            raise TypeError(f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
         self._updater = opt.Updater(optimizer)
 
     def set_updater(self, updater) -> None:

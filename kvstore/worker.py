@@ -64,8 +64,7 @@ class DistStore(KVStore):
         self._failure: str | None = None
         self._sockets: list = []
         try:
-            book = self._control.wait(f"kvstore.create({kind!r})", ("book",),
-                                      cfg.start_timeout + 5)
+            book = self._control.wait(f"kvstore.create({kind!r})", ("book",), cfg.start_timeout + 5)
         except KVStoreError:
             self._shutdown(finalize=False)
             raise
@@ -87,8 +86,12 @@ class DistStore(KVStore):
         self._layout: dict = {}  # key -> [(server, part, lo, hi)]
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
-        log.info("worker %d of %d connected to %d servers", self._rank, self._num_workers,
-                 len(self._servers))
+        log.info(
+            "worker %d of %d connected to %d servers",
+            self._rank,
+            self._num_workers,
+            len(self._servers),
+        )
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
 
@@ -109,8 +112,9 @@ class DistStore(KVStore):
         return [(server_of(key, servers), 0, 0, size)]
 
     # ---- transport
-    def _send(self, server: int, kind: str, body: dict, arrays=(), on_reply=None,
-              trackers=None) -> int:
+    def _send(
+        self, server: int, kind: str, body: dict, arrays=(), on_reply=None, trackers=None
+    ) -> int:
         self._check_alive()
         msg_id = next(self._ids)
         frames = encode(Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays)))
@@ -123,8 +127,10 @@ class DistStore(KVStore):
                 if big and trackers is not None:
                     trackers.append(tracker)
         except zmq.Again:
-            raise KVStoreError(f"{kind}: cannot send to {self._server_name(server)}: its queue "
-                               "is full (is it alive?)") from None
+            raise KVStoreError(
+                f"{kind}: cannot send to {self._server_name(server)}: its queue "
+                "is full (is it alive?)"
+            ) from None
         self._pending[msg_id] = (server, on_reply)
         return msg_id
 
@@ -154,8 +160,10 @@ class DistStore(KVStore):
             if left <= 0:
                 servers = sorted({self._pending[i][0] for i in waiting})
                 names = ", ".join(self._server_name(s) for s in servers) or "the network"
-                raise KVStoreError(f"{what}: no reply from {names} within "
-                                   f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)")
+                raise KVStoreError(
+                    f"{what}: no reply from {names} within "
+                    f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)"
+                )
             timeout = min(left, 0.01 if trackers else left)
             for sock, _ in self._poller.poll(timeout * 1000):
                 if sock is self._control.pipe:
@@ -190,8 +198,10 @@ class DistStore(KVStore):
             self._layout[item.key] = self._place(item.key, item.values[0].size)
         if self._rank == 0:
             batches = self._batches(items, lambda item: self._flat(item.values[:1]))
-            ids = [self._send(s, "init", {"keys": keys}, arrays)
-                   for s, (keys, arrays, _) in batches.items()]
+            ids = [
+                self._send(s, "init", {"keys": keys}, arrays)
+                for s, (keys, arrays, _) in batches.items()
+            ]
             self._wait("init", ids)
         self.barrier()
 
@@ -200,8 +210,10 @@ class DistStore(KVStore):
 
     def _pull(self, items):
         on_reply, finish = self._receiver(items)
-        ids = [self._send(s, "pull", {"keys": keys}, on_reply=on_reply)
-               for s, (keys, _, _) in self._batches(items, None).items()]
+        ids = [
+            self._send(s, "pull", {"keys": keys}, on_reply=on_reply)
+            for s, (keys, _, _) in self._batches(items, None).items()
+        ]
         self._wait("pull", ids)
         finish()
 
@@ -215,14 +227,19 @@ class DistStore(KVStore):
         batches = self._batches(items, lambda item: self._flat(item.values), compress=True)
         body = {"sync": self._sync}
         if self._compression is not None:
-            body["compression"] = {"type": self._compression.kind,
-                                   "threshold": self._compression.threshold}
+            body["compression"] = {
+                "type": self._compression.kind,
+                "threshold": self._compression.threshold,
+            }
         trackers: list = []
         ids = []
         for server, (keys, arrays, headers) in batches.items():
             extra = {"headers": headers} if self._compression is not None else {}
-            ids.append(self._send(server, kind, {"keys": keys, **body, **extra}, arrays,
-                                  on_reply, trackers))
+            ids.append(
+                self._send(
+                    server, kind, {"keys": keys, **body, **extra}, arrays, on_reply, trackers
+                )
+            )
         # Return only when ZeroMQ has let go of the caller's buffers: they may be reused now.
         self._wait(kind, ids=(), trackers=trackers)
         return ids
@@ -253,8 +270,9 @@ class DistStore(KVStore):
                     continue
                 piece = flat[lo:hi]
                 if compress and self._compression is not None:
-                    packed, header = self._compression.encode(self._residuals,
-                                                              (item.key, part), piece)
+                    packed, header = self._compression.encode(
+                        self._residuals, (item.key, part), piece
+                    )
                     piece = packed
                     headers.append(header)
                 arrays.append(piece)
@@ -268,8 +286,9 @@ class DistStore(KVStore):
         for item in items:
             first = item.outs[0]
             meta = self._meta[item.key]
-            direct = (namespace(first) is np and first.flags.c_contiguous
-                      and first.dtype == meta.dtype)
+            direct = (
+                namespace(first) is np and first.flags.c_contiguous and first.dtype == meta.dtype
+            )
             flat = first.reshape(-1) if direct else np.empty(int(np.prod(meta.shape)), meta.dtype)
             targets[item.key] = (flat, {p: (lo, hi) for _, p, lo, hi in self._layout[item.key]})
             staged.append((item, flat, direct))
@@ -302,8 +321,10 @@ class DistStore(KVStore):
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Send the optimizer (as a spec) to every server: rank 0 does, the others record it."""
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
         spec = optimizer.spec()
         self._optimizer = optimizer
         if self._rank == 0:
@@ -311,8 +332,10 @@ class DistStore(KVStore):
             self._wait("set_optimizer", ids)
 
     def set_updater(self, updater) -> None:
-        raise ValueError(f"{self.type}: updates run on the servers, and a Python callable "
-                         "cannot be sent there; use set_optimizer")
+        raise ValueError(
+            f"{self.type}: updates run on the servers, and a Python callable "
+            "cannot be sent there; use set_optimizer"
+        )
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
         """Gather every server's optimizer state into one file."""
@@ -321,8 +344,10 @@ class DistStore(KVStore):
         def keep(server):
             return lambda msg: blobs.__setitem__(server, msg.arrays[0].tobytes())
 
-        ids = [self._send(s, "command", {"name": "get_states"}, on_reply=keep(s))
-               for s in range(len(self._servers))]
+        ids = [
+            self._send(s, "command", {"name": "get_states"}, on_reply=keep(s))
+            for s in range(len(self._servers))
+        ]
         self._wait("save_optimizer_states", ids)
         with open(fname, "wb") as f:
             f.write(msgpack.packb({"num_server": len(self._servers), "servers": blobs}))
@@ -336,10 +361,14 @@ class DistStore(KVStore):
             except Exception:
                 raise ValueError(f"{fname}: not a distributed optimizer state file") from None
         if len(blobs) != len(self._servers):
-            raise ValueError(f"{fname} holds the state of {len(blobs)} servers; this job has "
-                             f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER")
-        ids = [self._send(s, "command", {"name": "set_states"}, [np.frombuffer(b, np.uint8)])
-               for s, b in enumerate(blobs)]
+            raise ValueError(
+                f"{fname} holds the state of {len(blobs)} servers; this job has "
+                f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER"
+            )
+        ids = [
+            self._send(s, "command", {"name": "set_states"}, [np.frombuffer(b, np.uint8)])
+            for s, b in enumerate(blobs)
+        ]
         self._wait("load_optimizer_states", ids)
 
     def close(self) -> None:

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -22,13 +21,20 @@ def free_port() -> int:
 
 def base_env(num_server: int, num_worker: int, port: int | None = None, **extra) -> dict:
     env = dict(os.environ)
-    env.update({
-        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port or free_port()),
-        "DMLC_NUM_SERVER": str(num_server), "DMLC_NUM_WORKER": str(num_worker),
-        "DMLC_NODE_HOST": "127.0.0.1", "PYTHONPATH": str(ROOT),
-        "KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_START_TIMEOUT": "30",
-        "KVSTORE_TIMEOUT": "60", "KVSTORE_ROUND_TIMEOUT": "30",
-    })
+    env.update(
+        {
+            "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": str(port or free_port()),
+            "DMLC_NUM_SERVER": str(num_server),
+            "DMLC_NUM_WORKER": str(num_worker),
+            "DMLC_NODE_HOST": "127.0.0.1",
+            "PYTHONPATH": str(ROOT),
+            "KVSTORE_HEARTBEAT_INTERVAL": "0.2",
+            "KVSTORE_START_TIMEOUT": "30",
+            "KVSTORE_TIMEOUT": "60",
+            "KVSTORE_ROUND_TIMEOUT": "30",
+        }
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -53,20 +59,23 @@ class Cluster:
         self.logs[name] = log
         proc_env = dict(env or self.env, DMLC_ROLE=role)
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, env=proc_env, stdout=out, stderr=subprocess.STDOUT,
-                                    cwd=self.tmp)
+            proc = subprocess.Popen(
+                argv, env=proc_env, stdout=out, stderr=subprocess.STDOUT, cwd=self.tmp
+            )
         self.procs[name] = proc
         return proc
 
-    def start_workers(self, code: str, args=(), env=None) -> list[subprocess.Popen]:
-        script = self.tmp / "worker_script.py"
-        script.write_text(textwrap.dedent(code))
-        return [self._spawn(f"worker{i}", [sys.executable, str(script), *map(str, args)],
-                            "worker", env) for i in range(self.num_worker)]
+    def start_workers(self, script: str, args=(), env=None, count=None) -> list:
+        """Start ``count`` (default: all) workers running ``tests/workers/<script>``."""
+        path = ROOT / "tests" / "workers" / script
+        return [
+            self._spawn(f"worker{i}", [sys.executable, str(path), *map(str, args)], "worker", env)
+            for i in range(count or self.num_worker)
+        ]
 
-    def run_workers(self, code: str, args=(), timeout: float = 60, env=None) -> list[str]:
-        """Run ``code`` in every worker; return their outputs, or fail with the logs."""
-        workers = self.start_workers(code, args, env)
+    def run_workers(self, script: str, args=(), timeout: float = 60, env=None) -> list[str]:
+        """Run a worker script in every worker; return their outputs, or fail with the logs."""
+        workers = self.start_workers(script, args, env)
         codes = self.wait(workers, timeout)
         outputs = [self.output(f"worker{i}") for i in range(self.num_worker)]
         if any(codes):
@@ -80,9 +89,20 @@ class Cluster:
             try:
                 codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"process {proc.args} still running after {timeout}s\n"
-                                     f"{self.dump()}") from None
+                raise AssertionError(
+                    f"process {proc.args} still running after {timeout}s\n{self.dump()}"
+                ) from None
         return codes
+
+    def wait_for_output(self, name: str, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output(name):
+            if time.monotonic() > deadline or self.procs[name].poll() is not None:
+                raise AssertionError(f"{name} never printed {text!r}\n{self.dump()}")
+            try:  # waiting on the process doubles as the poll interval
+                self.procs[name].wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
 
     def output(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up and run lint + every test, on a fresh machine or an old one.
+#   - the launcher tests need sshd, mpirun and rsync: installed with apt when missing (as root)
+#   - a virtual environment .venv with the package and its test extras
+#   - torch's CPU build for the PyTorch adapter tests, when pip has it
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k dist`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=""
+for tool in sshd:openssh-server ssh:openssh-client mpirun:openmpi-bin rsync:rsync; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${tool%%:*}" ] || missing="$missing ${tool#*:}"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+  else
+    echo "note: $missing not installed (needs root); their launcher tests will skip" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q -e '.[test,examples]'
+# Only the CPU build: an unpinned `torch` would pull several GB of CUDA packages.
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q 'torch==2.13.0' \
+  || echo "note: torch's CPU wheel is not available; the PyTorch adapter tests will skip" >&2
+
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest "$@"

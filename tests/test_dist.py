@@ -1,0 +1,29 @@
+"""dist_sync / dist_async / dist_device_sync with real processes on 127.0.0.1."""
+
+import pytest
+
+MATRIX = [(s, w) for w in (1, 2, 4) for s in (1, 2)]
+
+
+@pytest.mark.parametrize("num_server,num_worker", MATRIX)
+def test_sync_rounds_sum(cluster, num_server, num_worker):
+    c = cluster(num_server, num_worker, KVSTORE_BIGARRAY_BOUND=2000)
+    outs = c.run_workers("rounds.py", ["dist_sync", 4, "none", "int"])
+    assert all("OK after 4 rounds" in o for o in outs)
+
+
+@pytest.mark.parametrize("num_server,num_worker", [(1, 2), (2, 4)])
+def test_sync_rounds_sgd_str_keys(cluster, num_server, num_worker):
+    c = cluster(num_server, num_worker, KVSTORE_BIGARRAY_BOUND=2000)
+    c.run_workers("rounds.py", ["dist_sync", 4, "sgd", "str"])
+
+
+def test_device_sync(cluster):
+    c = cluster(2, 2, KVSTORE_BIGARRAY_BOUND=2000)
+    c.run_workers("rounds.py", ["dist_device_sync", 3, "sgd", "int"])
+
+
+@pytest.mark.parametrize("num_server,num_worker", [(1, 2), (2, 4)])
+def test_async_no_lost_update(cluster, num_server, num_worker):
+    c = cluster(num_server, num_worker, KVSTORE_BIGARRAY_BOUND=2000)
+    c.run_workers("async_sum.py", [30])

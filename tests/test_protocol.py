@@ -1,0 +1,96 @@
+"""The protocol on bytes alone: round trips, and every way a frame list can be wrong."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.protocol import SCHEMA, VERSION, Message, ProtocolError, decode, encode
+
+
+def header(**fields):
+    base = {
+        "v": VERSION,
+        "k": "push",
+        "id": 1,
+        "from": "w",
+        "b": {"keys": [[1, 0]]},
+        "a": [["<f4", [2]]],
+    }
+    base.update(fields)
+    return msgpack.packb(base)
+
+
+ARRAY = np.ones(2, np.float32).tobytes()
+
+
+def test_round_trip_arrays_zero_copy():
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(3, dtype=np.int64)]
+    frames = encode(Message("data", 5, "server 0", {"keys": [["a", 0], [7, 1]]}, arrays))
+    assert isinstance(frames[1], memoryview)  # the array's own buffer, not a copy
+    msg = decode([bytes(f) for f in frames])
+    assert (msg.kind, msg.id, msg.sender, msg.body["keys"]) == (
+        "data",
+        5,
+        "server 0",
+        [["a", 0], [7, 1]],
+    )
+    for got, want in zip(msg.arrays, arrays, strict=False):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEMA))
+def test_every_kind_round_trips(kind):
+    samples = {list: [], dict: {}, str: "x", int: 0}
+    body = {name: samples[types[0]] for name, types in SCHEMA[kind].items()}
+    assert decode(encode(Message(kind, 3, "n", body))).body == body
+
+
+@pytest.mark.parametrize(
+    "frames,match",
+    [
+        ([], "empty message"),
+        ([b"\xc1"], "not valid msgpack"),
+        ([msgpack.packb([1, 2])], "header must be a map"),
+        ([header(v=2), ARRAY], "protocol version 2 is not supported"),
+        ([header(k="launch_missiles"), ARRAY], "unknown message kind"),
+        ([header(id="1"), ARRAY], "needs int 'id'"),
+        ([header(b={}), ARRAY], "field 'keys' missing"),
+        ([header(b={"keys": [[1.5, 0]]}), ARRAY], "each key must be"),
+        ([header(b={"keys": [[True, 0]]}), ARRAY], "each key must be"),
+        ([header(b={"keys": [1]}), ARRAY], "each key must be"),
+        ([header()], "1 arrays but 0 array frames arrived"),
+        ([header(), ARRAY, ARRAY], "1 arrays but 2 array frames"),
+        ([header(), ARRAY[:5]], "array frame of 5 bytes, expected 8"),
+        ([header(a=[["|O", [2]]]), ARRAY], "bad array description"),
+        ([header(a=[["nonsense", [2]]]), ARRAY], "bad array description"),
+        ([header(a=[["<f4", [-2]]]), ARRAY], "bad array description"),
+        ([header(b={"keys": [[1, 0], [2, 0]]}), ARRAY], "2 keys but 1 arrays"),
+    ],
+)
+def test_bad_frames(frames, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(frames)
+
+
+def test_encode_unknown_kind():
+    with pytest.raises(ProtocolError, match="unknown message kind"):
+        encode(Message("nope"))
+
+
+def test_truncated_random_prefixes_never_crash():
+    frames = [
+        bytes(f)
+        for f in encode(Message("push", 1, "w", {"keys": [[1, 0]]}, [np.ones(16, np.float32)]))
+    ]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        cut = [f[: rng.integers(0, len(f) + 1)] for f in frames]
+        noisy = [
+            bytes(rng.integers(0, 256, len(f), dtype=np.uint8)) if rng.random() < 0.3 else f
+            for f in cut
+        ]
+        try:
+            decode(noisy)
+        except ProtocolError:
+            pass
