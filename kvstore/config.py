@@ -32,6 +32,7 @@ class Config:
     heartbeat_timeout: float = 5.0
     bigarray_bound: int = 1_000_000
     server_port: int = 0
+    rank_hint: int = -1
 
     @property
     def scheduler_address(self) -> str:
@@ -71,6 +72,7 @@ class Config:
                 low=1,
             ),
             server_port=_number(env, "KVSTORE_SERVER_PORT", 0, int, low=0, high=65535),
+            rank_hint=_number(env, "KVSTORE_RANK", -1, int, low=-1),
         )
         return cfg
 

@@ -96,6 +96,7 @@ class Control:
                         "num_server": cfg.num_server,
                         "num_worker": cfg.num_worker,
                         "pid": os.getpid(),
+                        "rank_hint": cfg.rank_hint,
                     },
                 )
             )

@@ -1,8 +1,9 @@
 """The scheduler: registration, rank assignment, barriers, heartbeats, shutdown.
 
 One :class:`Scheduler` owns one ROUTER socket and runs one poll loop. It waits for exactly
-``DMLC_NUM_SERVER`` servers and ``DMLC_NUM_WORKER`` workers, gives each a rank (sorted by host
-and port, or host and pid for workers) and the address book, then answers heartbeats and
+``DMLC_NUM_SERVER`` servers and ``DMLC_NUM_WORKER`` workers, gives each a rank (the launcher's
+``KVSTORE_RANK`` when every node of a role has a distinct one, else sorted by host and port,
+or host and pid for workers) and the address book, then answers heartbeats and
 barriers. A node silent for ``KVSTORE_HEARTBEAT_TIMEOUT`` is declared dead: every other node is
 told which one (role, rank, address) and the job ends with status 1. When every worker has
 finalised, the servers are told to shut down and the scheduler exits 0.
@@ -35,6 +36,7 @@ class Node:
     port: int
     pid: int
     last_seen: float
+    rank_hint: int = -1
     rank: int = -1
     finalized: bool = False
 
@@ -170,8 +172,15 @@ class Scheduler:
                     f"{'SERVER' if b['role'] == 'server' else 'WORKER'}={wanted})"
                 ),
             )
+        hint = b.get("rank_hint", -1)
         self.nodes[identity] = Node(
-            identity, b["role"], b["host"], b["port"], b["pid"], time.monotonic()
+            identity,
+            b["role"],
+            b["host"],
+            b["port"],
+            b["pid"],
+            time.monotonic(),
+            hint if isinstance(hint, int) else -1,
         )
         log.info(
             "registered %s at %s:%d (%d/%d %ss)",
@@ -187,10 +196,11 @@ class Scheduler:
 
     def _send_book(self) -> None:
         for role in ("server", "worker"):
-            members = sorted(
-                (n for n in self.nodes.values() if n.role == role),
-                key=lambda n: (n.host, n.port, n.pid),
-            )
+            members = [n for n in self.nodes.values() if n.role == role]
+            if sorted(n.rank_hint for n in members) == list(range(len(members))):
+                members.sort(key=lambda n: n.rank_hint)  # the launcher's numbering
+            else:
+                members.sort(key=lambda n: (n.host, n.port, n.pid))
             for rank, node in enumerate(members):
                 node.rank = rank
         servers = sorted(

@@ -1,0 +1,210 @@
+"""The ``launch.py`` command line (also ``kvstore-launch`` and ``python -m kvstore.launch``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from ..config import interface_address
+from . import local, mpi, sge, slurm, ssh, yarn
+from .hostfile import parse_hostfile
+from .job import Proc, Supervisor
+from .spec import JobSpec
+
+LAUNCHERS = {"local": local, "ssh": ssh, "mpi": mpi, "slurm": slurm, "sge": sge, "yarn": yarn}
+# Settings of the launcher's own environment that every process gets, wherever it runs.
+_FORWARD_PREFIXES = ("KVSTORE_", "MXNET_KVSTORE_", "PS_VERBOSE")
+
+EXAMPLES = """\
+examples:
+  launch.py -n 2 -s 2 --launcher local python examples/train_mlp.py --kv-store dist_sync
+  launch.py -n 4 -s 2 --launcher ssh -H hosts --sync-dst-dir /tmp/job python train.py
+  launch.py -n 4 --launcher mpi -H hosts python train.py --kv-store dist_sync
+
+hostfile lines: 'host', 'host:ssh_port', 'host slots=N'; '#' starts a comment.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start a kvstore job: the scheduler on this host, then the servers and "
+        "the workers (your command) through the chosen launcher.",
+        epilog=EXAMPLES,
+    )
+    p.add_argument(
+        "-n",
+        "--num-workers",
+        type=int,
+        required=True,
+        help="number of worker processes (each runs your command)",
+    )
+    p.add_argument(
+        "-s",
+        "--num-servers",
+        type=int,
+        help="number of server processes (default: the number of workers)",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=sorted(LAUNCHERS),
+        default="local",
+        help="how processes are started (default: local)",
+    )
+    p.add_argument(
+        "-H",
+        "--hostfile",
+        help="hosts to run on, one per line: host, host:port or host slots=N "
+        "(ssh needs it; mpi, slurm use it when given)",
+    )
+    p.add_argument(
+        "--sync-dst-dir",
+        metavar="DIR",
+        help="copy the working directory to DIR on every host first (ssh; rsync "
+        "where present) and run there",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass an environment variable to every process (repeatable); NAME "
+        "alone passes this shell's value",
+    )
+    p.add_argument(
+        "--interface", help="network interface whose address nodes announce (sets DMLC_INTERFACE)"
+    )
+    p.add_argument(
+        "--host-ip",
+        help="address of this host as the others reach it (default: "
+        "found from --interface or the route to the first host)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="port of the scheduler on this host (default: a free one)",
+    )
+    p.add_argument("--ssh-port", type=int, help="ssh port for hosts that name none")
+    p.add_argument(
+        "--ssh-option",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="extra ssh argument, e.g. --ssh-option=-i --ssh-option=KEY (repeatable)",
+    )
+    p.add_argument(
+        "--timeout", type=float, help="stop the whole job after this many seconds (default: none)"
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the worker command, e.g. python train.py --kv-store dist_sync",
+    )
+    return p
+
+
+def make_spec(args, parser) -> JobSpec:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no worker command given (e.g. python train.py --kv-store dist_sync)")
+    if command[0].startswith("-"):
+        parser.error(f"unrecognized option {command[0]!r}")
+    num_servers = args.num_workers if args.num_servers is None else args.num_servers
+    if args.num_workers < 1 or num_servers < 1:
+        parser.error("-n/--num-workers and -s/--num-servers must be >= 1")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port {args.port} is not a port number")
+    hosts = None
+    if args.hostfile:
+        hosts = parse_hostfile(args.hostfile)
+    elif args.launcher == "ssh":
+        raise ValueError("the ssh launcher needs a hostfile: -H FILE with one host per line")
+    env = {"DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(num_servers)}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(_FORWARD_PREFIXES)})
+    if args.interface:
+        env["DMLC_INTERFACE"] = args.interface
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if not name.isidentifier():
+            parser.error(f"--env {item!r}: expected NAME or NAME=VALUE")
+        if not eq:
+            if name not in os.environ:
+                raise ValueError(f"--env {name}: {name} is not set in this shell")
+            value = os.environ[name]
+        env[name] = value
+    root_uri = scheduler_host(args, hosts)
+    port = args.port or free_port(root_uri)
+    env.update({"DMLC_PS_ROOT_URI": root_uri, "DMLC_PS_ROOT_PORT": str(port)})
+    return JobSpec(
+        args.num_workers,
+        num_servers,
+        command,
+        root_uri,
+        port,
+        hosts,
+        env,
+        ssh_port=args.ssh_port,
+        ssh_options=args.ssh_option,
+        sync_dst_dir=args.sync_dst_dir,
+        launcher=args.launcher,
+    )
+
+
+def scheduler_host(args, hosts) -> str:
+    if args.host_ip:
+        return args.host_ip
+    if args.interface:
+        return interface_address(args.interface)
+    if args.launcher == "local" or not hosts:
+        return "127.0.0.1"
+    try:
+        target = socket.gethostbyname(hosts[0].name)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))  # picks a route; sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sup = Supervisor()
+    try:
+        spec = make_spec(args, parser)
+        backend = LAUNCHERS[spec.launcher]
+        procs = backend.processes(spec)
+        if spec.launcher == "ssh" and spec.sync_dst_dir:
+            ssh.sync_dir(spec, sup.say)
+    except (ValueError, RuntimeError) as exc:
+        print(f"launch.py: error: {exc}", file=sys.stderr)
+        return 2
+    scheduler_env = {
+        **os.environ,
+        **spec.env,
+        "DMLC_ROLE": "scheduler",
+        "DMLC_NODE_HOST": spec.root_uri,
+    }
+    try:
+        sup.start(Proc("scheduler", [sys.executable, "-m", "kvstore.scheduler"], scheduler_env))
+        for proc in procs:
+            sup.start(proc)
+    except RuntimeError as exc:
+        sup.say(str(exc))
+        sup.stop()
+        return 1
+    sup.say(
+        f"started the scheduler at {spec.root_uri}:{spec.port}, {spec.num_servers} "
+        f"servers and {spec.num_workers} workers via {spec.launcher}"
+    )
+    return sup.wait(args.timeout)

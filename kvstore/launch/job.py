@@ -1,0 +1,151 @@
+"""Supervise the processes of a job: start them, prefix their output, wait, stop them all.
+
+Each process is started in its own session, its output read line by line and written with
+its name in front (``[worker 0] epoch 1 ...``). The first process to exit non-zero brings the
+job down: the others are stopped and the launcher exits with that status, saying which process
+failed and how. Ctrl-C (or SIGTERM) stops every process the launcher started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Proc:
+    name: str  # "worker 0"
+    argv: list[str]
+    env: dict | None = None
+    where: str = "localhost"
+    prefixed: bool = False  # output already carries role names (mpirun, srun, ...)
+    popen: subprocess.Popen | None = field(default=None, repr=False)
+    last_lines: list = field(default_factory=list, repr=False)
+
+
+class Supervisor:
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.procs: list[Proc] = []
+        self.lock = threading.Lock()
+        self.readers: list[threading.Thread] = []
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            self.out.write(f"launch: {text}\n")
+            self.out.flush()
+
+    def start(self, proc: Proc) -> None:
+        try:
+            proc.popen = subprocess.Popen(
+                proc.argv,
+                env=proc.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot start {proc.name} ({proc.argv[0]}): {exc.strerror}"
+            ) from None
+        self.procs.append(proc)
+        reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+
+    def _relay(self, proc: Proc) -> None:
+        for raw in proc.popen.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            proc.last_lines = (proc.last_lines + [line])[-5:]
+            with self.lock:
+                self.out.write(f"{line}\n" if proc.prefixed else f"[{proc.name}] {line}\n")
+                self.out.flush()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for every process; the first failure stops the rest. Returns the exit status."""
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                running = [p for p in self.procs if p.popen.poll() is None]
+                failed = next((p for p in self.procs if p.popen.returncode), None)
+                if failed is not None:
+                    self.say(
+                        f"{failed.name} on {failed.where} {_describe(failed.popen.returncode)}"
+                        f"{_tail(failed)}; stopping the other processes"
+                    )
+                    self.stop()
+                    return _status(failed.popen.returncode)
+                if not running:
+                    self._drain()
+                    return 0
+                if deadline is not None and time.monotonic() > deadline:
+                    self.say(f"job still running after {timeout:g}s; stopping it")
+                    self.stop()
+                    return 124
+                try:
+                    running[0].popen.wait(0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+        except KeyboardInterrupt:
+            self.say("interrupted; stopping every process")
+            self.stop()
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Close each process's stdin (remote ones stop on that), SIGTERM its group, then kill."""
+        live = [p for p in self.procs if p.popen.poll() is None]
+        for p in live:
+            try:
+                p.popen.stdin.close()
+            except OSError:
+                pass
+            _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in live:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p.popen, signal.SIGKILL)
+                p.popen.wait(5)
+        self._drain()
+
+    def _drain(self) -> None:
+        for reader in self.readers:
+            reader.join(2)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _signal_group(popen: subprocess.Popen, sig) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _status(code: int) -> int:
+    return code if code > 0 else 128 - code
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _tail(proc: Proc) -> str:
+    return f" (last output: {proc.last_lines[-1]!r})" if proc.last_lines else ""

@@ -1,0 +1,55 @@
+"""What every launcher needs to know about a job, and the environment of each process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .hostfile import Host
+
+
+@dataclass
+class JobSpec:
+    num_workers: int
+    num_servers: int
+    command: list[str]
+    root_uri: str
+    port: int
+    hosts: list[Host] | None = None
+    env: dict = field(default_factory=dict)  # DMLC_* plus the user's --env
+    cwd: str = field(default_factory=os.getcwd)
+    python: str = sys.executable
+    ssh_port: int | None = None
+    ssh_options: list[str] = field(default_factory=list)
+    sync_dst_dir: str | None = None
+    launcher: str = "local"
+
+    @property
+    def num_procs(self) -> int:
+        return self.num_servers + self.num_workers
+
+    def roles(self):
+        """(role, rank) of every server and worker process, servers first."""
+        return [("server", i) for i in range(self.num_servers)] + [
+            ("worker", i) for i in range(self.num_workers)
+        ]
+
+    def role_env(self, role: str, rank: int) -> dict:
+        return {**self.env, "DMLC_ROLE": role, "KVSTORE_RANK": str(rank)}
+
+    def role_command(self, role: str) -> list[str]:
+        return [self.python, "-m", "kvstore.server"] if role == "server" else self.command
+
+    def child_command(self) -> list[str]:
+        """For launchers that start N identical tasks (mpi, slurm, sge, yarn): each task finds
+        its role from its index (see :mod:`kvstore.launch.child`)."""
+        return [
+            self.python,
+            "-m",
+            "kvstore.launch.child",
+            "--num-servers",
+            str(self.num_servers),
+            "--",
+            *self.command,
+        ]

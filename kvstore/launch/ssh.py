@@ -1,0 +1,84 @@
+"""``--launcher ssh``: each process through ``ssh host 'cd DIR && env ... CMD'``.
+
+ssh runs in BatchMode (no password prompts) and honours the user's ssh config; ``--ssh-port``
+and ``--ssh-option`` are passed through. The remote command watches its stdin: when the
+launcher stops (a failure elsewhere, Ctrl-C) it closes that pipe and the remote process is
+terminated, so nothing is left running on the hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+
+from .hostfile import Host, place
+from .job import Proc
+from .spec import JobSpec
+
+# Run CMD in the background, stop it when ssh's stdin closes, exit with its status.
+_WATCH = (
+    "({cmd}) </dev/null & child=$!; "
+    "(cat >/dev/null; kill -TERM $child 2>/dev/null) >/dev/null 2>&1 & "
+    "wait $child"
+)
+
+
+def ssh_argv(spec: JobSpec, host: Host) -> list[str]:
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    port = host.port or spec.ssh_port
+    if port:
+        argv += ["-p", str(port)]
+    return argv + list(spec.ssh_options) + [host.name]
+
+
+def remote_command(spec: JobSpec, env: dict, argv: list[str]) -> str:
+    workdir = spec.sync_dst_dir or spec.cwd
+    exports = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(env.items()))
+    cmd = f"cd {shlex.quote(workdir)} && exec env {exports} {shlex.join(argv)}"
+    return "bash -c " + shlex.quote(_WATCH.format(cmd=cmd))
+
+
+def processes(spec: JobSpec) -> list[Proc]:
+    hosts = place(spec.hosts, spec.num_procs)
+    procs = []
+    for (role, rank), host in zip(spec.roles(), hosts, strict=True):
+        env = {**spec.role_env(role, rank), "DMLC_NODE_HOST": host.name}
+        argv = [*ssh_argv(spec, host), remote_command(spec, env, spec.role_command(role))]
+        procs.append(Proc(f"{role} {rank}", argv, None, host.name))
+    return procs
+
+
+def sync_dir(spec: JobSpec, say) -> None:
+    """Copy the working directory to ``--sync-dst-dir`` on every host (rsync where present)."""
+    for host in dict.fromkeys(spec.hosts):
+        ssh = ssh_argv(spec, host)
+        target = f"{host.name}:{spec.sync_dst_dir}/"
+        if shutil.which("rsync"):
+            argv = [
+                "rsync",
+                "-az",
+                "--delete",
+                "--exclude",
+                ".git",
+                "-e",
+                shlex.join(ssh[:-1]),
+                f"{spec.cwd}/",
+                target,
+            ]
+        else:
+            argv = [*ssh, f"mkdir -p {shlex.quote(spec.sync_dst_dir)}"]
+            subprocess.run(argv, check=False, capture_output=True)
+            argv = [
+                "scp",
+                "-rq",
+                *ssh[1:-1],
+                *(f"{spec.cwd}/{f}" for f in os.listdir(spec.cwd)),
+                target,
+            ]
+            argv = [a if a != "-p" else "-P" for a in argv]
+        say(f"syncing {spec.cwd} to {target}")
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"cannot sync to {host.name}: {done.stderr.strip()}")
