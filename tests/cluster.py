@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,17 @@ def base_env(num_server: int, num_worker: int, port: int | None = None, **extra)
     )
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def poll_until(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Check ``condition()`` every ``interval`` until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        pause.wait(interval)
+    return True
 
 
 class Cluster:
@@ -95,14 +107,11 @@ class Cluster:
         return codes
 
     def wait_for_output(self, name: str, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.output(name):
-            if time.monotonic() > deadline or self.procs[name].poll() is not None:
-                raise AssertionError(f"{name} never printed {text!r}\n{self.dump()}")
-            try:  # waiting on the process doubles as the poll interval
-                self.procs[name].wait(0.05)
-            except subprocess.TimeoutExpired:
-                pass
+        def printed():
+            return text in self.output(name) or self.procs[name].poll() is not None
+
+        if not poll_until(printed, timeout) or text not in self.output(name):
+            raise AssertionError(f"{name} never printed {text!r}\n{self.dump()}")
 
     def output(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")

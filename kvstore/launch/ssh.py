@@ -17,10 +17,11 @@ from .hostfile import Host, place
 from .job import Proc
 from .spec import JobSpec
 
-# Run CMD in the background, stop it when ssh's stdin closes, exit with its status.
+# Run CMD in the background, stop it when ssh's stdin closes, exit with its status. (A
+# background job's stdin is /dev/null unless redirected, hence the copy on fd 3.)
 _WATCH = (
-    "({cmd}) </dev/null & child=$!; "
-    "(cat >/dev/null; kill -TERM $child 2>/dev/null) >/dev/null 2>&1 & "
+    "exec 3<&0; ({cmd}) </dev/null & child=$!; "
+    "(cat <&3 >/dev/null; kill -TERM $child 2>/dev/null) >/dev/null 2>&1 & "
     "wait $child"
 )
 

@@ -3,6 +3,7 @@
 argv: rounds of pushpull; then an optional rank that stops early after that many rounds.
 """
 
+import os
 import sys
 import time
 
@@ -13,6 +14,7 @@ import kvstore
 rounds = int(sys.argv[1])
 short_rank, short_rounds = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (-1, 0)
 started = time.monotonic()
+print(f"pid {os.getpid()}", flush=True)
 try:
     kv = kvstore.create("dist_sync")
     kv.init(["w", "b"], [np.zeros(100, np.float32), np.zeros(2000, np.float32)])

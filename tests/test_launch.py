@@ -1,0 +1,426 @@
+"""launch.py through the real things: subprocesses, a private sshd, mpirun; generated command
+lines for the schedulers that cannot run here (slurm, sge, yarn)."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.launch import mpi, sge, slurm, yarn
+from kvstore.launch.hostfile import Host, parse_hostfile, place
+from kvstore.launch.spec import JobSpec
+
+from .cluster import ROOT, poll_until
+from .sshd import PrivateSshd, available
+
+LOOP = ROOT / "tests" / "workers" / "loop.py"
+
+
+def launch(*args, cwd=ROOT, timeout=120):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    why = available()
+    if why:
+        pytest.skip(why)
+    server = PrivateSshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
+# ---------------------------------------------------------------- hostfiles
+
+
+def test_hostfile_formats(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text(
+        "# cluster\nnode1\n\nnode2:2222   # ssh port\nnode3 slots=2\nnode4:22 slots=3\n"
+    )
+    assert parse_hostfile(str(path)) == [
+        Host("node1"),
+        Host("node2", 2222),
+        Host("node3", None, 2),
+        Host("node4", 22, 3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", "lists no hosts"),
+        ("# only a comment\n\n", "lists no hosts"),
+        ("node1:notaport\n", "bad port"),
+        ("node1 cpus=4\n", "cannot read 'cpus=4'"),
+    ],
+)
+def test_hostfile_errors(tmp_path, text, match):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        parse_hostfile(str(path))
+    with pytest.raises(ValueError, match="No such file"):
+        parse_hostfile(str(tmp_path / "missing"))
+
+
+def test_placement_round_robin_with_slots():
+    a, b, c = Host("a", slots=2), Host("b"), Host("c", slots=3)
+    assert [h.name for h in place([a, b, c], 6)] == ["a", "b", "c", "a", "c", "c"]
+    assert [h.name for h in place([a, b], 5)] == ["a", "b", "a", "a", "b"]  # wraps around
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_help_documents_each_option():
+    out = launch("-h").stdout
+    for option in (
+        "--num-workers",
+        "--num-servers",
+        "--launcher",
+        "--hostfile",
+        "--sync-dst-dir",
+        "--env",
+        "--interface",
+        "--port",
+        "--ssh-port",
+        "--ssh-option",
+    ):
+        assert option in out
+
+
+def test_unknown_option_gives_usage_not_traceback():
+    done = launch("-n", "2", "--bogus", "python", "x.py")
+    assert done.returncode == 2 and "usage:" in done.stderr and "--bogus" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["-n", "1", "--launcher", "ssh", "python", "x.py"], "needs a hostfile"),
+        (
+            ["-n", "1", "--launcher", "ssh", "-H", "/nonexistent/hosts", "python", "x.py"],
+            "No such file",
+        ),
+        (["-n", "0", "python", "x.py"], "must be >= 1"),
+        (["-n", "1"], "no worker command"),
+        (["-n", "1", "--env", "KVSTORE_NOT_SET_ANYWHERE", "python", "x.py"], "is not set"),
+    ],
+)
+def test_bad_invocations(args, match):
+    done = launch(*args)
+    assert done.returncode == 2 and match in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- local
+
+
+def test_local_job_prefixes_output_and_passes_env():
+    done = launch(
+        "-n", "2", "-s", "2", "--env", "KVSTORE_HEARTBEAT_INTERVAL=0.2", sys.executable, LOOP, 3
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"[worker {rank}] done" in done.stdout
+
+
+def test_failing_worker_brings_job_down():
+    code = (
+        "import os, sys, kvstore, numpy as np\nkv = kvstore.create('dist_sync')\n"
+        "kv.init(0, np.zeros(2))\nif kv.rank == 1:\n    print('giving up'); sys.exit(1)\n"
+        "kv.pushpull(0, np.ones(2))\n"
+    )
+    done = launch("-n", "2", "-s", "1", "--timeout", "60", sys.executable, "-c", code)
+    assert done.returncode == 1, done.stdout
+    assert "worker 1 on localhost exited with status 1 (last output: 'giving up')" in done.stdout
+
+
+def _pids(text):
+    return [int(line.split("pid ")[1]) for line in text.splitlines() if "] pid " in line]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (not yet reaped by its parent) is not running
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def _interrupt_after_rounds(args, cwd=ROOT):
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), *map(str, args)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:  # bounded: the workers run at most 60 s
+        lines.append(line)
+        if "round 10" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    return proc.returncode, "".join(lines) + rest
+
+
+def test_ctrl_c_stops_every_process():
+    code, out = _interrupt_after_rounds(["-n", "2", "-s", "1", sys.executable, LOOP, 100000])
+    assert code == 130 and "interrupted; stopping every process" in out
+    pids = _pids(out)
+    assert len(pids) == 2 and not any(_alive(p) for p in pids), out
+
+
+# ---------------------------------------------------------------- ssh
+
+
+def test_ssh_two_hosts_with_sync(sshd, tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    shutil.copy(LOOP, job / "loop.py")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.2 slots=2\n")
+    dst = tmp_path / "synced"
+    done = launch(
+        "-n",
+        "2",
+        "-s",
+        "2",
+        "--launcher",
+        "ssh",
+        "-H",
+        hosts,
+        *sshd.ssh_options(),
+        "--sync-dst-dir",
+        dst,
+        "--env",
+        "KVSTORE_HEARTBEAT_INTERVAL=0.2",
+        sys.executable,
+        "loop.py",
+        3,
+        cwd=job,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (dst / "loop.py").exists()
+    assert "[worker 0] done" in done.stdout and "[worker 1] done" in done.stdout
+
+
+def test_ssh_unreachable_host_fails_fast(sshd, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:1\n")  # nothing listens on port 1
+    done = launch(
+        "-n",
+        "1",
+        "-s",
+        "1",
+        "--launcher",
+        "ssh",
+        "-H",
+        hosts,
+        *sshd.ssh_options(),
+        sys.executable,
+        LOOP,
+        3,
+        timeout=60,
+    )
+    assert done.returncode == 255, done.stdout
+    assert "on 127.0.0.1 exited with status 255" in done.stdout
+    assert "Connection refused" in done.stdout
+
+
+def test_ssh_ctrl_c_stops_remote_processes(sshd, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2\n")
+    code, out = _interrupt_after_rounds(
+        [
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--launcher",
+            "ssh",
+            "-H",
+            hosts,
+            *sshd.ssh_options(),
+            sys.executable,
+            LOOP,
+            100000,
+        ]
+    )
+    assert code == 130, out
+    pids = _pids(out)
+    assert len(pids) == 2, out
+    for pid in pids:  # the "remote" processes are on this machine: look them up
+        assert poll_until(lambda pid=pid: not _alive(pid), 10), f"worker {pid} still running"
+
+
+# ---------------------------------------------------------------- mpi
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_mpi_job():
+    assert mpi.flavour() == "openmpi"
+    done = launch(
+        "-n",
+        "2",
+        "-s",
+        "1",
+        "--launcher",
+        "mpi",
+        "--env",
+        "KVSTORE_HEARTBEAT_INTERVAL=0.2",
+        sys.executable,
+        LOOP,
+        3,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker 0] done" in done.stdout and "[worker 1] done" in done.stdout
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def spec(**kw):
+    base = dict(
+        num_workers=2,
+        num_servers=1,
+        command=["python", "train.py"],
+        root_uri="10.0.0.1",
+        port=9000,
+        env={"DMLC_NUM_WORKER": "2"},
+        cwd="/job",
+        python="/usr/bin/python3",
+    )
+    base.update(kw)
+    return JobSpec(**base)
+
+
+CHILD = [
+    "/usr/bin/python3",
+    "-m",
+    "kvstore.launch.child",
+    "--num-servers",
+    "1",
+    "--",
+    "python",
+    "train.py",
+]
+
+
+def test_mpi_command_lines():
+    assert mpi.command(spec(), "openmpi", "/tmp/h", True) == [
+        "mpirun",
+        "-n",
+        "3",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--hostfile",
+        "/tmp/h",
+        "-x",
+        "DMLC_NUM_WORKER=2",
+        *CHILD,
+    ]
+    assert mpi.command(spec(), "mpich", None, False) == [
+        "mpirun",
+        "-n",
+        "3",
+        "-genv",
+        "DMLC_NUM_WORKER",
+        "2",
+        *CHILD,
+    ]
+
+
+def test_slurm_command_line():
+    assert slurm.command(spec(hosts=[Host("a"), Host("b"), Host("a")])) == [
+        "srun",
+        "--ntasks=3",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        "--nodelist=a,b",
+        *CHILD,
+    ]
+
+
+def test_sge_command_line_and_script():
+    assert sge.command(spec(), "/tmp/job.sh", "all.q") == [
+        "qsub",
+        "-cwd",
+        "-sync",
+        "y",
+        "-t",
+        "1-3",
+        "-S",
+        "/bin/bash",
+        "-N",
+        "kvstore",
+        "-j",
+        "y",
+        "-v",
+        "DMLC_NUM_WORKER=2",
+        "-q",
+        "all.q",
+        "/tmp/job.sh",
+    ]
+    assert sge.script(spec()) == (
+        "#!/bin/bash\ncd /job\nexec /usr/bin/python3 -m "
+        "kvstore.launch.child --num-servers 1 -- python train.py\n"
+    )
+
+
+def test_yarn_command_line_and_missing_client(monkeypatch):
+    assert yarn.command(spec(), "/opt/dmlc-yarn.jar") == [
+        "hadoop",
+        "jar",
+        "/opt/dmlc-yarn.jar",
+        "org.apache.hadoop.yarn.dmlc.Client",
+        "-jobname",
+        "kvstore",
+        "-tempdir",
+        "/tmp",
+        "-queue",
+        "default",
+        "-env",
+        "DMLC_NUM_WORKER=2",
+        *CHILD,
+    ]
+    done = launch("-n", "1", "--launcher", "yarn", "python", "x.py")
+    assert done.returncode == 2 and "the yarn launcher needs the Hadoop client" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed here")
+def test_slurm_missing_srun():
+    done = launch("-n", "1", "--launcher", "slurm", "python", "x.py")
+    assert done.returncode == 2 and "needs srun on PATH" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "0"}, ("server", 0)),
+        ({"OMPI_COMM_WORLD_RANK": "2"}, ("worker", 1)),
+        ({"PMI_RANK": "1"}, ("worker", 0)),
+        ({"SLURM_PROCID": "0"}, ("server", 0)),
+        ({"SGE_TASK_ID": "3"}, ("worker", 1)),
+        ({"DMLC_ROLE": "worker", "DMLC_TASK_ID": "4"}, ("worker", 4)),
+    ],
+)
+def test_child_role_from_task_index(env, expected):
+    from kvstore.launch.child import task_role
+
+    assert task_role(env, 1) == expected
