@@ -1,0 +1,258 @@
+"""Train a small MLP classifier on scikit-learn's bundled digits through a KVStore.
+
+Single process::
+
+    python examples/train_mlp.py --kv-store local
+
+A local cluster of 2 workers and 2 servers::
+
+    python launch.py -n 2 -s 2 python examples/train_mlp.py --kv-store dist_sync
+
+Each worker reads only its partition of every epoch's shuffled order (``rank::num_workers``,
+as PyTorch's DistributedSampler), computes the gradient summed over its batch (split over
+``--num-devices`` device arrays, reduced by the store as MXNet's multi-device training does)
+and pushes it; the optimizer divides by the global batch (``rescale_grad``). So W workers with
+batch B take exactly the steps one process takes with batch W x B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+import kvstore
+from kvstore.arrays import cupy, namespace, to_host
+
+PARAMS = ("w1", "b1", "w2", "b2")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kv-store", default="local", choices=kvstore.TYPES)
+    p.add_argument(
+        "--num-devices",
+        type=int,
+        default=1,
+        help="split each batch over N device arrays (GPUs when CuPy sees them)",
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="per worker, as in MXNet")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument(
+        "--scale-lr",
+        action="store_true",
+        help="multiply --lr by the number of workers (linear scaling)",
+    )
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
+    p.add_argument(
+        "--optimizer", default="sgd", choices=["sgd", "nag", "adam", "adagrad", "rmsprop"]
+    )
+    p.add_argument("--momentum", type=float, default=0.9, help="sgd and nag")
+    p.add_argument("--wd", type=float, default=1e-4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="train these steps as one process on the whole batch, then synchronise "
+        "(CNTK's distributed_after)",
+    )
+    p.add_argument("--checkpoint-dir", help="save weights and optimizer state every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--gradient-compression", choices=["2bit", "1bit"])
+    p.add_argument("--compression-threshold", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--save-weights", help="rank 0 writes the final weights here (.npz)")
+    return p.parse_args(argv)
+
+
+def load_data(seed: int):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    split = int(0.8 * len(y))
+    return (x[order[:split]], y[order[:split]]), (x[order[split:]], y[order[split:]])
+
+
+def init_params(hidden: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": (rng.standard_normal((64, hidden)) * np.sqrt(2 / 64)).astype(np.float32),
+        "b1": np.zeros(hidden, np.float32),
+        "w2": (rng.standard_normal((hidden, 10)) * np.sqrt(1 / hidden)).astype(np.float32),
+        "b2": np.zeros(10, np.float32),
+    }
+
+
+def forward_backward(params: dict, x, y):
+    """Softmax cross-entropy summed over the batch: (loss, correct, gradients)."""
+    xp = namespace(x)
+    h_pre = x @ params["w1"] + params["b1"]
+    h = xp.maximum(h_pre, 0)
+    logits = h @ params["w2"] + params["b2"]
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = xp.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    rows = xp.arange(len(y))
+    loss = float(-xp.log(p[rows, y] + 1e-12).sum())
+    correct = int((p.argmax(axis=1) == y).sum())
+    d_logits = p
+    d_logits[rows, y] -= 1
+    d_h = (d_logits @ params["w2"].T) * (h_pre > 0)
+    grads = {
+        "w1": x.T @ d_h,
+        "b1": d_h.sum(axis=0),
+        "w2": h.T @ d_logits,
+        "b2": d_logits.sum(axis=0),
+    }
+    return loss, correct, grads
+
+
+def devices(n: int) -> list[int]:
+    """Device of each batch slice: GPUs round-robin when CuPy sees any, else the host."""
+    if cupy is not None and n > 0:
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception:
+            count = 0
+        if count:
+            return [i % count for i in range(n)]
+    return [-1] * n
+
+
+def to_device(array, device: int):
+    if device < 0:
+        return array
+    with cupy.cuda.Device(device):
+        return cupy.asarray(array)
+
+
+def make_optimizer(args, num_workers: int):
+    lr = args.lr * (num_workers if args.scale_lr else 1)
+    common = dict(learning_rate=lr, wd=args.wd, rescale_grad=1.0 / (args.batch_size * num_workers))
+    if args.optimizer in ("sgd", "nag"):
+        common["momentum"] = args.momentum
+    return kvstore.optimizer.create(args.optimizer, **common)
+
+
+def save_checkpoint(directory: str, kv, params: dict, epoch: int, step: int) -> None:
+    os.makedirs(directory, exist_ok=True)
+    states = os.path.join(directory, "optimizer.states")
+    kv.save_optimizer_states(states + ".tmp")
+    os.replace(states + ".tmp", states)
+    tmp = os.path.join(directory, "weights.tmp.npz")
+    np.savez(tmp, epoch=epoch, step=step, **params)
+    os.replace(tmp, os.path.join(directory, "weights.npz"))  # the commit point
+
+
+def evaluate(params: dict, x, y) -> float:
+    _, correct, _ = forward_backward(params, x, y)
+    return correct / len(y)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    kv = kvstore.create(args.kv_store)
+    rank, workers = kv.rank, kv.num_workers
+    (x_train, y_train), (x_test, y_test) = load_data(args.seed)
+    params = init_params(args.hidden, args.seed)
+    first_epoch, step = 0, 0
+    checkpoint = os.path.join(args.checkpoint_dir or "", "weights.npz")
+    if args.resume:
+        if not os.path.exists(checkpoint):
+            raise SystemExit(f"--resume: no checkpoint at {checkpoint}")
+        saved = np.load(checkpoint)
+        params = {k: saved[k] for k in PARAMS}
+        first_epoch, step = int(saved["epoch"]) + 1, int(saved["step"])
+        print(f"rank {rank}: resuming from epoch {first_epoch} (step {step})", flush=True)
+    if args.gradient_compression:
+        params_c = {"type": args.gradient_compression}
+        if args.gradient_compression == "2bit":
+            params_c["threshold"] = args.compression_threshold
+        kv.set_gradient_compression(params_c)
+    optimizer = make_optimizer(args, workers)
+    slice_devices = devices(args.num_devices)
+    global_batch = args.batch_size * workers
+    steps_per_epoch = len(y_train) // global_batch
+
+    def train_batch(store, batch_x, batch_y, split):
+        """One step: gradients per device slice, pushed and pulled through ``store``."""
+        loss = correct = 0
+        per_device = {k: [] for k in PARAMS}
+        for xs, ys, dev in zip(
+            np.array_split(batch_x, split),
+            np.array_split(batch_y, split),
+            slice_devices[:split] if split > 1 else slice_devices[:1],
+            strict=True,
+        ):
+            local = {k: to_device(v, dev) for k, v in params.items()}
+            l, c, g = forward_backward(local, to_device(xs, dev), to_device(ys, dev))
+            loss, correct = loss + l, correct + c
+            for k in PARAMS:
+                per_device[k].append(g[k])
+        outs = [params[k] for k in PARAMS]
+        store.pushpull(list(PARAMS), [per_device[k] for k in PARAMS], out=outs)
+        return loss, correct
+
+    # Warm-up: every worker trains on the whole global batch alone, so all stay identical.
+    if step < args.warmup_steps:
+        warm = kvstore.create("local")
+        warm.set_optimizer(make_optimizer(args, workers))
+        warm.init(list(PARAMS), [params[k] for k in PARAMS])
+        order = np.random.default_rng(args.seed).permutation(len(y_train))
+        while step < args.warmup_steps:
+            idx = order[(step % steps_per_epoch) * global_batch :][:global_batch]
+            train_batch(warm, x_train[idx], y_train[idx], args.num_devices)
+            step += 1
+        print(f"rank {rank}: {args.warmup_steps} warm-up steps done; synchronising", flush=True)
+
+    kv.set_optimizer(optimizer)
+    kv.init(list(PARAMS), [params[k] for k in PARAMS])
+    if args.resume and rank == 0:  # the servers hold one copy of the state: load it once
+        kv.load_optimizer_states(os.path.join(args.checkpoint_dir, "optimizer.states"))
+    kv.barrier()
+
+    for epoch in range(first_epoch, args.epochs):
+        order = np.random.default_rng(args.seed + 1 + epoch).permutation(len(y_train))
+        mine = order[rank::workers]  # this worker's partition of the epoch
+        started, total_loss, total_correct, seen = time.perf_counter(), 0.0, 0, 0
+        for s in range(steps_per_epoch):
+            if args.max_steps and step >= args.max_steps:
+                break
+            idx = mine[s * args.batch_size : (s + 1) * args.batch_size]
+            loss, correct = train_batch(kv, x_train[idx], y_train[idx], args.num_devices)
+            total_loss, total_correct, seen = (
+                total_loss + loss,
+                total_correct + correct,
+                seen + len(idx),
+            )
+            step += 1
+        elapsed = time.perf_counter() - started
+        if seen:
+            print(
+                f"rank {rank} epoch {epoch}: loss {total_loss / seen:.4f} train accuracy "
+                f"{total_correct / seen:.4f} {seen * workers / elapsed:.0f} samples/s",
+                flush=True,
+            )
+        if args.checkpoint_dir and rank == 0:
+            save_checkpoint(args.checkpoint_dir, kv, params, epoch, step)
+            print(f"rank {rank}: checkpoint saved for epoch {epoch}", flush=True)
+        if args.max_steps and step >= args.max_steps:
+            break
+
+    accuracy = evaluate({k: to_host(v) for k, v in params.items()}, x_test, y_test)
+    print(f"rank {rank}: test accuracy {accuracy:.4f} after {step} steps", flush=True)
+    if args.save_weights and rank == 0:
+        np.savez(args.save_weights, **params)
+    kv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
