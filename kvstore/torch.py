@@ -57,14 +57,12 @@ class DistributedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        grads = []
-        for (name, p), buf in zip(self.named, self.buffers, strict=True):
+        for (_, p), buf in zip(self.named, self.buffers, strict=True):
             if p.grad is None:
                 buf[...] = 0  # every worker must push every key: an unused one pushes zeros
             else:
                 buf[...] = p.grad.detach().cpu().numpy()
-            grads.append(buf)
-        self.kv.pushpull(self.keys, grads, out=self.buffers)
+        self.kv.pushpull(self.keys, self.buffers)  # the sums come back in place
         scale = 1.0 / self.kv.num_workers
         with torch.no_grad():
             for (_, p), buf in zip(self.named, self.buffers, strict=True):
