@@ -1,6 +1,7 @@
 import pytest
 
 from .cluster import Cluster
+from .sshd import PrivateSshd, available
 
 
 @pytest.fixture
@@ -17,3 +18,14 @@ def cluster(tmp_path):
     yield start
     for c in started:
         c.stop()
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A private sshd on 127.0.0.1 and 127.0.0.2 (skips where one cannot run)."""
+    why = available()
+    if why:
+        pytest.skip(why)
+    server = PrivateSshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()

@@ -14,7 +14,6 @@ from kvstore.launch.hostfile import Host, parse_hostfile, place
 from kvstore.launch.spec import JobSpec
 
 from .cluster import ROOT, poll_until
-from .sshd import PrivateSshd, available
 
 LOOP = ROOT / "tests" / "workers" / "loop.py"
 
@@ -27,16 +26,6 @@ def launch(*args, cwd=ROOT, timeout=120):
         text=True,
         timeout=timeout,
     )
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    why = available()
-    if why:
-        pytest.skip(why)
-    server = PrivateSshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 # ---------------------------------------------------------------- hostfiles

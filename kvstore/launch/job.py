@@ -55,6 +55,7 @@ class Supervisor:
                 f"cannot start {proc.name} ({proc.argv[0]}): {exc.strerror}"
             ) from None
         self.procs.append(proc)
+        self.say(f"started {proc.name} on {proc.where} (pid {proc.popen.pid})")
         reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
         reader.start()
         self.readers.append(reader)
