@@ -9,10 +9,10 @@ A local cluster of 2 workers and 2 servers::
     python launch.py -n 2 -s 2 python examples/train_mlp.py --kv-store dist_sync
 
 Each worker reads only its partition of every epoch's shuffled order (``rank::num_workers``,
-as PyTorch's DistributedSampler), computes the gradient summed over its batch (split over
+as PyTorch's DistributedSampler), computes the mean gradient of its batch (split over
 ``--num-devices`` device arrays, reduced by the store as MXNet's multi-device training does)
-and pushes it; the optimizer divides by the global batch (``rescale_grad``). So W workers with
-batch B take exactly the steps one process takes with batch W x B.
+and pushes it; the optimizer divides the sum by the number of workers (``rescale_grad``). So
+W workers with batch B take exactly the steps one process takes with batch W x B.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def to_device(array, device: int):
 
 def make_optimizer(args, num_workers: int):
     lr = args.lr * (num_workers if args.scale_lr else 1)
-    common = dict(learning_rate=lr, wd=args.wd, rescale_grad=1.0 / (args.batch_size * num_workers))
+    common = dict(learning_rate=lr, wd=args.wd, rescale_grad=1.0 / num_workers)
     if args.optimizer in ("sgd", "nag"):
         common["momentum"] = args.momentum
     return kvstore.optimizer.create(args.optimizer, **common)
@@ -194,8 +194,8 @@ def main(argv=None) -> int:
             local = {k: to_device(v, dev) for k, v in params.items()}
             l, c, g = forward_backward(local, to_device(xs, dev), to_device(ys, dev))
             loss, correct = loss + l, correct + c
-            for k in PARAMS:
-                per_device[k].append(g[k])
+            for k in PARAMS:  # the batch mean: the scale 2-bit compression's threshold expects
+                per_device[k].append(g[k] / len(batch_y))
         outs = [params[k] for k in PARAMS]
         store.pushpull(list(PARAMS), [per_device[k] for k in PARAMS], out=outs)
         return loss, correct

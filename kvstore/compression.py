@@ -54,9 +54,13 @@ class Compression:
             raise ValueError(f"2bit compression: threshold must be a number > 0, got {threshold!r}")
         return cls(kind, float(threshold))
 
-    @property
-    def bits(self) -> int:
-        return 2 if self.kind == "2bit" else 1
+    def params(self) -> dict:
+        """What :meth:`from_params` takes back (sent to the servers with each push)."""
+        return (
+            {"type": self.kind, "threshold": self.threshold}
+            if self.kind == "2bit"
+            else {"type": self.kind}
+        )
 
     def encode(self, residuals: dict, rkey, grad):
         """Add ``grad`` to the residual of ``rkey``, quantise it, keep the error.

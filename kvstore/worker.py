@@ -227,10 +227,7 @@ class DistStore(KVStore):
         batches = self._batches(items, lambda item: self._flat(item.values), compress=True)
         body = {"sync": self._sync}
         if self._compression is not None:
-            body["compression"] = {
-                "type": self._compression.kind,
-                "threshold": self._compression.threshold,
-            }
+            body["compression"] = self._compression.params()
         trackers: list = []
         ids = []
         for server, (keys, arrays, headers) in batches.items():
