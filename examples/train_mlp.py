@@ -203,7 +203,9 @@ def main(argv=None) -> int:
     # Warm-up: every worker trains on the whole global batch alone, so all stay identical.
     if step < args.warmup_steps:
         warm = kvstore.create("local")
-        warm.set_optimizer(make_optimizer(args, workers))
+        warm_optimizer = make_optimizer(args, workers)
+        warm_optimizer.rescale_grad = 1.0  # one mean gradient of the global batch, not W
+        warm.set_optimizer(warm_optimizer)
         warm.init(list(PARAMS), [params[k] for k in PARAMS])
         order = np.random.default_rng(args.seed).permutation(len(y_train))
         while step < args.warmup_steps:
