@@ -1,0 +1,214 @@
+"""Push/pull throughput of kvstore on 127.0.0.1, beside raw ZeroMQ and torch's gloo.
+
+Starts a scheduler, S servers and W workers; every worker measures ``pushpull`` of one key
+(4 KiB, 256 KiB, 4 MiB, 64 MiB of float32) as gradient bytes per second, and the steps per
+second of 1000 keys of 1 KiB pushed and pulled as one list; for ``dist_sync`` and
+``dist_async``, and with 2-bit compression. The same bytes through a bare pyzmq round trip
+(``zmq_bound.py``) and, when torch is installed, through a gloo ``all_reduce`` of W ranks, are
+measured in the same run. Prints one JSON line per measurement, then a table.
+
+    python benchmarks/pushpull.py -w 2 -s 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zmq_bound import human, memory_rates, parse_sizes, roundtrip_rates, summary, timed  # noqa
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- inside a worker
+
+
+def worker_main(args) -> int:
+    import kvstore
+
+    kv = kvstore.create(args.mode)
+    if args.compression:
+        kv.set_gradient_compression({"type": args.compression, "threshold": 0.5})
+    sizes = parse_sizes(args.sizes)
+    results = []
+    for name, nbytes in sizes.items():
+        grad = np.random.default_rng(kv.rank).standard_normal(nbytes // 4).astype(np.float32)
+        out = np.empty_like(grad)
+        kv.init(f"k{name}", np.zeros_like(grad))
+        times = timed(lambda grad=grad, out=out, name=name: kv.pushpull(f"k{name}", grad, out=out),
+                      args.reps, args.budget)
+        kv.barrier()
+        results.append(summary(label(args), name, "B/s", [nbytes / t for t in times]))
+    if args.keys:
+        keys = [f"small{i}" for i in range(args.keys)]
+        grads = [np.ones(256, np.float32) for _ in keys]
+        outs = [np.empty(256, np.float32) for _ in keys]
+        kv.init(keys, grads)
+        times = timed(lambda: kv.pushpull(keys, grads, out=outs), args.reps, args.budget)
+        kv.barrier()
+        results.append(summary(label(args), f"{args.keys}x1K", "steps/s", [1 / t for t in times]))
+    kv.close()
+    print("RESULTS " + json.dumps(results), flush=True)
+    return 0
+
+
+def label(args) -> str:
+    return f"kvstore {args.mode}" + (f" {args.compression}" if args.compression else "")
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
+    env = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
+               DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
+               DMLC_NODE_HOST="127.0.0.1", PYTHONPATH=str(ROOT))
+    procs = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.scheduler"],
+                                      env=dict(env, DMLC_ROLE="scheduler")))
+        procs += [subprocess.Popen([sys.executable, "-m", "kvstore.server"],
+                                   env=dict(env, DMLC_ROLE="server"))
+                  for _ in range(args.servers)]
+        cmd = [sys.executable, __file__, "--as-worker", "--mode", mode, "--sizes", args.sizes,
+               "--reps", str(args.reps), "--budget", str(args.budget), "--keys", str(args.keys)]
+        if compression:
+            cmd += ["--compression", compression]
+        workers = [subprocess.Popen(cmd, env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK=str(i)),
+                                    stdout=subprocess.PIPE, text=True)
+                   for i in range(args.workers)]
+        procs += workers
+        per_worker = []
+        for w in workers:
+            out, _ = w.communicate(timeout=args.timeout)
+            if w.returncode:
+                raise SystemExit(f"a benchmark worker failed ({w.returncode}):\n{out}")
+            per_worker.append(json.loads(out.split("RESULTS ", 1)[1]))
+        for p in procs[: 1 + args.servers]:
+            p.wait(30)
+    finally:
+        for p in procs:  # by PID, whatever happened
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    merged = []  # per worker: the mean over workers of each statistic
+    for rows in zip(*per_worker, strict=True):
+        row = dict(rows[0])
+        for stat in ("median", "min", "max"):
+            row[stat] = statistics.fmean(r[stat] for r in rows)
+        row["workers"] = args.workers
+        merged.append(row)
+    return merged
+
+
+def _gloo_rank(rank, world, port, sizes, reps, budget, queue):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    results = []
+    for name, nbytes in sizes.items():
+        tensor = torch.ones(nbytes // 4)
+        times = timed(lambda tensor=tensor: dist.all_reduce(tensor), reps, budget)
+        results.append(summary("gloo all_reduce", name, "B/s", [nbytes / t for t in times]))
+        dist.barrier()
+    dist.destroy_process_group()
+    queue.put((rank, results))
+
+
+def run_gloo(args) -> list[dict]:
+    try:
+        import torch.multiprocessing as tmp
+    except ImportError:
+        print("torch not installed: no gloo line (pip install -e '.[bench]')", file=sys.stderr)
+        return []
+    ctx = tmp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, args.workers, port, parse_sizes(args.sizes),
+                                                  args.reps, args.budget, queue))
+             for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    rows = [queue.get(timeout=args.timeout) for _ in procs]
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    per_rank = [r for _, r in sorted(rows)]
+    merged = []
+    for rows in zip(*per_rank, strict=True):
+        row = dict(rows[0])
+        for stat in ("median", "min", "max"):
+            row[stat] = statistics.fmean(r[stat] for r in rows)
+        row["workers"] = args.workers
+        merged.append(row)
+    return merged
+
+
+def table(results: list[dict]) -> str:
+    bound = {r["size"]: r["median"] for r in results if r["config"] == "zmq"}
+    lines = [f"{'config':<26} {'size':>8} {'median':>18} {'min':>18} {'max':>18} {'vs zmq':>7}"]
+    for r in results:
+        ratio = r["median"] / bound[r["size"]] if r["size"] in bound else None
+        lines.append(f"{r['config']:<26} {r['size']:>8} {human(r['median'], r['unit']):>18} "
+                     f"{human(r['min'], r['unit']):>18} {human(r['max'], r['unit']):>18} "
+                     f"{'' if ratio is None else f'{ratio:6.0%}':>7}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-w", "--workers", type=int, default=2)
+    p.add_argument("-s", "--servers", type=int, default=2)
+    p.add_argument("--modes", default="dist_sync,dist_async")
+    p.add_argument("--sizes", default="4K,256K,4M,64M")
+    p.add_argument("--keys", type=int, default=1000, help="the many-small-keys case (0: skip)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget", type=float, default=5.0, help="seconds per measurement at most")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--no-compression", action="store_true")
+    p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--compression", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.as_worker:
+        return worker_main(args)
+    started = time.monotonic()
+    results = roundtrip_rates(parse_sizes(args.sizes), args.reps, args.budget)
+    if args.keys != 1000:
+        results = [r for r in results if r["size"] != "1000x1K"]
+    for mode in args.modes.split(","):
+        results += run_cluster(args, mode, None)
+    if not args.no_compression:
+        results += run_cluster(args, "dist_sync", "2bit")
+    if not args.no_gloo:
+        results += run_gloo(args)
+    results += memory_rates()
+    for r in results:
+        print(json.dumps({**r, "cores": os.cpu_count()}))
+    print(f"\nW={args.workers} S={args.servers} on {os.cpu_count()} cores, "
+          f"{time.monotonic() - started:.0f}s; kvstore and gloo figures are per worker")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""The bounds kvstore is measured against, on this machine.
+
+- ZeroMQ alone: a DEALER sends an array to an echo ROUTER in another process and gets an
+  array of the same size back, zero-copy on both sides: the best a push + pull of those bytes
+  can do through pyzmq.
+- 1000 pipelined round trips of 1 KiB: all sent, then all received.
+- Memory: a NumPy copy and an in-place add of 64 MiB.
+
+    python benchmarks/zmq_bound.py [--sizes 4K,256K,4M,64M] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+import zmq
+
+SIZES = {"4K": 4 << 10, "256K": 256 << 10, "4M": 4 << 20, "64M": 64 << 20}
+
+
+def parse_sizes(text: str) -> dict:
+    return {name: SIZES[name] if name in SIZES else int(name) for name in text.split(",")}
+
+
+def _echo(port_queue) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port_queue.put(sock.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"stop":
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=0)
+    ctx.term()
+
+
+class EchoServer:
+    """An echo ROUTER in a separate process (as a kvstore server is)."""
+
+    def __enter__(self):
+        queue = mp.get_context("spawn").Queue()
+        self.proc = mp.get_context("spawn").Process(target=_echo, args=(queue,), daemon=True)
+        self.proc.start()
+        port = queue.get(timeout=30)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.send(b"stop")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def timed(fn, reps: int, budget: float, warmup: int = 2) -> list[float]:
+    """Seconds per call of ``fn``: ``warmup`` untimed calls, then up to ``reps`` timed ones
+    within ``budget`` seconds (at least 3)."""
+    for _ in range(warmup):
+        fn()
+    times, deadline = [], time.monotonic() + budget
+    while len(times) < reps and (len(times) < 3 or time.monotonic() < deadline):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def summary(config: str, size: str, unit: str, values: list[float]) -> dict:
+    return {"config": config, "size": size, "unit": unit, "median": statistics.median(values),
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def roundtrip_rates(sizes: dict, reps: int, budget: float) -> list[dict]:
+    """Bytes per second of one array there and back, per size; steps/s of 1000 x 1 KiB."""
+    results = []
+    with EchoServer() as echo:
+        for name, nbytes in sizes.items():
+            array = np.ones(nbytes // 4, np.float32)
+            out = np.empty_like(array)
+
+            def once(array=array, out=out):
+                echo.sock.send(array, copy=False)
+                frame = echo.sock.recv(copy=False)
+                out[...] = np.frombuffer(frame.buffer, np.float32)
+
+            times = timed(once, reps, budget)
+            results.append(summary("zmq", name, "B/s", [nbytes / t for t in times]))
+        small = [np.ones(256, np.float32) for _ in range(1000)]
+
+        def pipelined():
+            for a in small:
+                echo.sock.send(a, copy=False)
+            for a in small:
+                a[...] = np.frombuffer(echo.sock.recv(copy=False).buffer, np.float32)
+
+        times = timed(pipelined, reps, budget)
+        results.append(summary("zmq", "1000x1K", "steps/s", [1 / t for t in times]))
+    return results
+
+
+def memory_rates(reps: int = 10) -> list[dict]:
+    a = np.ones(16 << 20, np.float32)  # 64 MiB
+    b = np.empty_like(a)
+    copy = timed(lambda: np.copyto(b, a), reps, 5)
+    add = timed(lambda: np.add(b, a, out=b), reps, 5)
+    return [summary("numpy copy", "64M", "B/s", [a.nbytes / t for t in copy]),
+            summary("numpy add", "64M", "B/s", [a.nbytes / t for t in add])]
+
+
+def human(value: float, unit: str) -> str:
+    if unit == "steps/s":
+        return f"{value:.1f} steps/s"
+    for scale, prefix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if value >= scale:
+            return f"{value / scale:.2f} {prefix}/s"
+    return f"{value:.0f} B/s"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="4K,256K,4M,64M")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget", type=float, default=5.0, help="seconds per measurement at most")
+    args = p.parse_args(argv)
+    results = roundtrip_rates(parse_sizes(args.sizes), args.reps, args.budget) + memory_rates()
+    for r in results:
+        print(json.dumps(r))
+    for r in results:
+        print(f"{r['config']:>12} {r['size']:>8}  {human(r['median'], r['unit'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
