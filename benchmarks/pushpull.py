@@ -51,8 +51,11 @@ def worker_main(args) -> int:
         grad = np.random.default_rng(kv.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(grad)
         kv.init(f"k{name}", np.zeros_like(grad))
-        times = timed(lambda grad=grad, out=out, name=name: kv.pushpull(f"k{name}", grad, out=out),
-                      args.reps, args.budget)
+        times = timed(
+            lambda grad=grad, out=out, name=name: kv.pushpull(f"k{name}", grad, out=out),
+            args.reps,
+            args.budget,
+        )
         kv.barrier()
         results.append(summary(label(args), name, "B/s", [nbytes / t for t in times]))
     if args.keys:
@@ -76,23 +79,54 @@ def label(args) -> str:
 
 
 def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
-    env = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
-               DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
-               DMLC_NODE_HOST="127.0.0.1", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        DMLC_PS_ROOT_URI="127.0.0.1",
+        DMLC_PS_ROOT_PORT=str(free_port()),
+        DMLC_NUM_SERVER=str(args.servers),
+        DMLC_NUM_WORKER=str(args.workers),
+        DMLC_NODE_HOST="127.0.0.1",
+        PYTHONPATH=str(ROOT),
+    )
     procs = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.scheduler"],
-                                      env=dict(env, DMLC_ROLE="scheduler")))
-        procs += [subprocess.Popen([sys.executable, "-m", "kvstore.server"],
-                                   env=dict(env, DMLC_ROLE="server"))
-                  for _ in range(args.servers)]
-        cmd = [sys.executable, __file__, "--as-worker", "--mode", mode, "--sizes", args.sizes,
-               "--reps", str(args.reps), "--budget", str(args.budget), "--keys", str(args.keys)]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kvstore.scheduler"], env=dict(env, DMLC_ROLE="scheduler")
+            )
+        )
+        procs += [
+            subprocess.Popen(
+                [sys.executable, "-m", "kvstore.server"], env=dict(env, DMLC_ROLE="server")
+            )
+            for _ in range(args.servers)
+        ]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--as-worker",
+            "--mode",
+            mode,
+            "--sizes",
+            args.sizes,
+            "--reps",
+            str(args.reps),
+            "--budget",
+            str(args.budget),
+            "--keys",
+            str(args.keys),
+        ]
         if compression:
             cmd += ["--compression", compression]
-        workers = [subprocess.Popen(cmd, env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK=str(i)),
-                                    stdout=subprocess.PIPE, text=True)
-                   for i in range(args.workers)]
+        workers = [
+            subprocess.Popen(
+                cmd,
+                env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK=str(i)),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(args.workers)
+        ]
         procs += workers
         per_worker = []
         for w in workers:
@@ -121,8 +155,9 @@ def _gloo_rank(rank, world, port, sizes, reps, budget, queue):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     results = []
     for name, nbytes in sizes.items():
         tensor = torch.ones(nbytes // 4)
@@ -141,9 +176,13 @@ def run_gloo(args) -> list[dict]:
         return []
     ctx = tmp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, args.workers, port, parse_sizes(args.sizes),
-                                                  args.reps, args.budget, queue))
-             for r in range(args.workers)]
+    procs = [
+        ctx.Process(
+            target=_gloo_rank,
+            args=(r, args.workers, port, parse_sizes(args.sizes), args.reps, args.budget, queue),
+        )
+        for r in range(args.workers)
+    ]
     for p in procs:
         p.start()
     rows = [queue.get(timeout=args.timeout) for _ in procs]
@@ -167,9 +206,11 @@ def table(results: list[dict]) -> str:
     lines = [f"{'config':<26} {'size':>8} {'median':>18} {'min':>18} {'max':>18} {'vs zmq':>7}"]
     for r in results:
         ratio = r["median"] / bound[r["size"]] if r["size"] in bound else None
-        lines.append(f"{r['config']:<26} {r['size']:>8} {human(r['median'], r['unit']):>18} "
-                     f"{human(r['min'], r['unit']):>18} {human(r['max'], r['unit']):>18} "
-                     f"{'' if ratio is None else f'{ratio:6.0%}':>7}")
+        lines.append(
+            f"{r['config']:<26} {r['size']:>8} {human(r['median'], r['unit']):>18} "
+            f"{human(r['min'], r['unit']):>18} {human(r['max'], r['unit']):>18} "
+            f"{'' if ratio is None else f'{ratio:6.0%}':>7}"
+        )
     return "\n".join(lines)
 
 
@@ -204,8 +245,10 @@ def main(argv=None) -> int:
     results += memory_rates()
     for r in results:
         print(json.dumps({**r, "cores": os.cpu_count()}))
-    print(f"\nW={args.workers} S={args.servers} on {os.cpu_count()} cores, "
-          f"{time.monotonic() - started:.0f}s; kvstore and gloo figures are per worker")
+    print(
+        f"\nW={args.workers} S={args.servers} on {os.cpu_count()} cores, "
+        f"{time.monotonic() - started:.0f}s; kvstore and gloo figures are per worker"
+    )
     print(table(results))
     return 0
 

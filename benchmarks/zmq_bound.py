@@ -76,8 +76,15 @@ def timed(fn, reps: int, budget: float, warmup: int = 2) -> list[float]:
 
 
 def summary(config: str, size: str, unit: str, values: list[float]) -> dict:
-    return {"config": config, "size": size, "unit": unit, "median": statistics.median(values),
-            "min": min(values), "max": max(values), "n": len(values)}
+    return {
+        "config": config,
+        "size": size,
+        "unit": unit,
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def roundtrip_rates(sizes: dict, reps: int, budget: float) -> list[dict]:
@@ -113,8 +120,10 @@ def memory_rates(reps: int = 10) -> list[dict]:
     b = np.empty_like(a)
     copy = timed(lambda: np.copyto(b, a), reps, 5)
     add = timed(lambda: np.add(b, a, out=b), reps, 5)
-    return [summary("numpy copy", "64M", "B/s", [a.nbytes / t for t in copy]),
-            summary("numpy add", "64M", "B/s", [a.nbytes / t for t in add])]
+    return [
+        summary("numpy copy", "64M", "B/s", [a.nbytes / t for t in copy]),
+        summary("numpy add", "64M", "B/s", [a.nbytes / t for t in add]),
+    ]
 
 
 def human(value: float, unit: str) -> str:

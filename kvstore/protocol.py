@@ -1,11 +1,15 @@
 """Messages and their encoding, without I/O: frames in, :class:`Message` out, and back.
 
-A message is a list of frames: one msgpack header, then one raw frame per array. The header
-holds the protocol version, the kind, a request id, the sender, kind-specific fields and the
-dtype and shape of every array frame::
+A message is a list of frames: one msgpack header, then the array frames. The header holds
+the protocol version, the kind, a request id, the sender, kind-specific fields and, for every
+array, its dtype, shape, frame and byte offset in that frame::
 
     {"v": 1, "k": "push", "id": 7, "from": "worker-0", "b": {"keys": [[3, 0]]},
-     "a": [["<f4", [6]]]}
+     "a": [["<f4", [6], 1, 0]]}
+
+An array of at least :data:`PACK_BELOW` bytes travels alone in its own frame, without a copy.
+Smaller ones are packed together into one frame (8-byte aligned): a thousand small keys cost
+one frame, not a thousand.
 
 :func:`decode` validates everything and raises :class:`ProtocolError` with a message that
 says what was wrong; arrays come back as read-only ``np.frombuffer`` views of the frames.
@@ -18,12 +22,14 @@ array([1., 1.], dtype=float32)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
 VERSION = 1
+PACK_BELOW = 16384  # bytes: smaller arrays share one frame
 
 _KEY = (int, str)
 # kind -> required body fields and their types. Replies carry the request's id.
@@ -75,22 +81,40 @@ class Message:
 
 
 def encode(msg: Message) -> list:
-    """Frames for ``msg``: the header, then each array's buffer (not copied)."""
+    """Frames for ``msg``: the header, the packed small arrays, then each big array's own
+    buffer (not copied)."""
     if msg.kind not in SCHEMA:
         raise ProtocolError(f"unknown message kind {msg.kind!r}")
-    arrays = [np.ascontiguousarray(a) for a in msg.arrays]
+    specs, small, big = [], [], []
+    packed_at = 0
+    arrays = [_contiguous(a) for a in msg.arrays]
+    has_small = any(a.nbytes < PACK_BELOW for a in arrays)
+    for a in arrays:
+        if a.nbytes < PACK_BELOW:
+            pad = -packed_at % 8
+            if pad:
+                small.append(bytes(pad))
+            packed_at += pad
+            specs.append([a.dtype.str, list(a.shape), 1, packed_at])
+            small.append(a.tobytes() if a.ndim == 0 else memoryview(a).cast("B"))
+            packed_at += a.nbytes
+        else:
+            specs.append([a.dtype.str, list(a.shape), 1 + has_small + len(big), 0])
+            big.append(memoryview(a).cast("B"))
     header = {
         "v": VERSION,
         "k": msg.kind,
         "id": msg.id,
         "from": msg.sender,
         "b": msg.body,
-        "a": [[a.dtype.str, list(a.shape)] for a in arrays],
+        "a": specs,
     }
-    return [
-        msgpack.packb(header),
-        *(memoryview(a).cast("B") if a.ndim else a.tobytes() for a in arrays),
-    ]
+    return [msgpack.packb(header), *([b"".join(small)] if has_small else []), *big]
+
+
+def _contiguous(array) -> np.ndarray:
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def decode(frames: list) -> Message:
@@ -123,15 +147,17 @@ def decode(frames: list) -> Message:
             )
     if "keys" in SCHEMA[kind]:
         _check_keys(kind, body["keys"])
-    if not isinstance(specs, list) or len(specs) != len(buffers) - 1:
+    if not isinstance(specs, list):
+        raise ProtocolError(f"{kind}: header field 'a' must be a list of arrays")
+    used = {spec[2] for spec in specs if isinstance(spec, list) and len(spec) == 4}
+    if used != set(range(1, len(buffers))):
         raise ProtocolError(
-            f"{kind}: header describes "
-            f"{len(specs) if isinstance(specs, list) else '?'} arrays but "
+            f"{kind}: header describes arrays in {len(used)} frames but "
             f"{len(buffers) - 1} array frames arrived (truncated message?)"
         )
     if kind in _KEYED_ARRAYS and len(specs) != len(body["keys"]):
         raise ProtocolError(f"{kind}: {len(body['keys'])} keys but {len(specs)} arrays")
-    arrays = [_array(kind, spec, buf) for spec, buf in zip(specs, buffers[1:], strict=True)]
+    arrays = [_array(kind, spec, buffers) for spec in specs]
     return Message(kind, msg_id, sender, body, arrays)
 
 
@@ -147,23 +173,29 @@ def _check_keys(kind: str, keys: list) -> None:
             raise ProtocolError(f"{kind}: each key must be [int or str, part index], got {key!r}")
 
 
-def _array(kind: str, spec, buf) -> np.ndarray:
+def _array(kind: str, spec, buffers) -> np.ndarray:
     try:
-        dtype_str, shape = spec
+        dtype_str, shape, frame, offset = spec
         dtype = np.dtype(dtype_str)
         shape = tuple(int(n) for n in shape)
     except Exception:
         raise ProtocolError(f"{kind}: bad array description {spec!r}") from None
-    if dtype.kind not in _DTYPE_KINDS or any(n < 0 for n in shape):
+    if (
+        dtype.kind not in _DTYPE_KINDS
+        or any(n < 0 for n in shape)
+        or not isinstance(offset, int)
+        or offset < 0
+    ):
         raise ProtocolError(f"{kind}: bad array description {spec!r}")
-    expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    got = memoryview(buf).nbytes
-    if got != expected:
+    count = math.prod(shape)
+    buf = buffers[frame]
+    size = memoryview(buf).nbytes
+    if offset + dtype.itemsize * count > size:
         raise ProtocolError(
-            f"{kind}: array frame of {got} bytes, expected {expected} for "
-            f"dtype {dtype} shape {shape} (truncated frame?)"
+            f"{kind}: array of {dtype.itemsize * count} bytes at offset {offset} does not fit "
+            f"its frame of {size} bytes (truncated frame?)"
         )
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
 def error_reply(request: Message, sender: str, text: str) -> Message:

@@ -14,7 +14,7 @@ def header(**fields):
         "id": 1,
         "from": "w",
         "b": {"keys": [[1, 0]]},
-        "a": [["<f4", [2]]],
+        "a": [["<f4", [2], 1, 0]],
     }
     base.update(fields)
     return msgpack.packb(base)
@@ -23,20 +23,26 @@ def header(**fields):
 ARRAY = np.ones(2, np.float32).tobytes()
 
 
-def test_round_trip_arrays_zero_copy():
-    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(3, dtype=np.int64)]
-    frames = encode(Message("data", 5, "server 0", {"keys": [["a", 0], [7, 1]]}, arrays))
-    assert isinstance(frames[1], memoryview)  # the array's own buffer, not a copy
-    msg = decode([bytes(f) for f in frames])
-    assert (msg.kind, msg.id, msg.sender, msg.body["keys"]) == (
-        "data",
-        5,
-        "server 0",
-        [["a", 0], [7, 1]],
+def test_round_trip_small_packed_big_zero_copy():
+    big = np.arange(8192, dtype=np.float32)  # 32 KiB: its own frame
+    arrays = [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        big,
+        np.arange(3, dtype=np.int64),
+        np.array(2.5),
+    ]
+    frames = encode(
+        Message("data", 5, "server 0", {"keys": [["a", 0], [7, 1], [8, 0], [9, 0]]}, arrays)
     )
-    for got, want in zip(msg.arrays, arrays, strict=False):
-        assert got.dtype == want.dtype
+    assert len(frames) == 3  # header, the packed small arrays, the big one
+    assert isinstance(frames[2], memoryview) and frames[2].obj is big  # not a copy
+    msg = decode([bytes(f) for f in frames])
+    assert (msg.kind, msg.id, msg.sender) == ("data", 5, "server 0")
+    assert msg.body["keys"] == [["a", 0], [7, 1], [8, 0], [9, 0]]
+    for got, want in zip(msg.arrays, arrays, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+    assert msg.arrays[2].ctypes.data % 8 == 0  # packed arrays stay aligned
 
 
 @pytest.mark.parametrize("kind", sorted(SCHEMA))
@@ -59,12 +65,18 @@ def test_every_kind_round_trips(kind):
         ([header(b={"keys": [[1.5, 0]]}), ARRAY], "each key must be"),
         ([header(b={"keys": [[True, 0]]}), ARRAY], "each key must be"),
         ([header(b={"keys": [1]}), ARRAY], "each key must be"),
-        ([header()], "1 arrays but 0 array frames arrived"),
-        ([header(), ARRAY, ARRAY], "1 arrays but 2 array frames"),
-        ([header(), ARRAY[:5]], "array frame of 5 bytes, expected 8"),
-        ([header(a=[["|O", [2]]]), ARRAY], "bad array description"),
-        ([header(a=[["nonsense", [2]]]), ARRAY], "bad array description"),
-        ([header(a=[["<f4", [-2]]]), ARRAY], "bad array description"),
+        ([header()], "arrays in 1 frames but 0 array frames arrived"),
+        ([header(), ARRAY, ARRAY], "arrays in 1 frames but 2 array frames"),
+        ([header(), ARRAY[:5]], "array of 8 bytes at offset 0 does not fit its frame of 5"),
+        ([header(a=[["<f4", [2], 1, 4]]), ARRAY], "does not fit its frame of 8 bytes"),
+        ([header(a=[["<f4", [2], 0, 0]]), ARRAY], "arrays in 1 frames but 1 array frames"),
+        ([header(a=[["<f4", [2], 2, 0]]), ARRAY], "arrays in 1 frames but 1 array frames"),
+        ([header(a=[["<f4", [2]]]), ARRAY], "arrays in 0 frames"),
+        ([header(a={"x": 1}), ARRAY], "must be a list"),
+        ([header(a=[["|O", [2], 1, 0]]), ARRAY], "bad array description"),
+        ([header(a=[["nonsense", [2], 1, 0]]), ARRAY], "bad array description"),
+        ([header(a=[["<f4", [-2], 1, 0]]), ARRAY], "bad array description"),
+        ([header(a=[["<f4", [2], 1, -8]]), ARRAY], "bad array description"),
         ([header(b={"keys": [[1, 0], [2, 0]]}), ARRAY], "2 keys but 1 arrays"),
     ],
 )
