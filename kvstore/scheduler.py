@@ -132,7 +132,7 @@ class Scheduler:
             )
         elif msg.kind == "heartbeat":
             if self.cfg.verbose:
-                log.debug("heartbeat from %s", node.name)
+                log.info("heartbeat from %s", node.name)
             self._send(identity, Message("heartbeat", msg.id, "scheduler"))
         elif msg.kind == "barrier":
             self._barrier(node, msg)

@@ -146,13 +146,13 @@ class KVStore:
 
     @staticmethod
     def _check(what, key, array, meta: Meta, role: str) -> None:
-        if tuple(array.shape) != meta.shape:
+        if array.shape != meta.shape:
             raise ValueError(
                 f"{what}(key={key!r}): {role} shape {tuple(array.shape)} does not "
                 f"match the initialised shape {meta.shape}"
             )
         src, dst = (array.dtype, meta.dtype) if role == "value" else (meta.dtype, array.dtype)
-        if not np.can_cast(src, dst, "same_kind"):
+        if src != dst and not np.can_cast(src, dst, "same_kind"):
             raise TypeError(
                 f"{what}(key={key!r}): {role} dtype {array.dtype} does not match "
                 f"the initialised dtype {meta.dtype} (no same-kind cast)"

@@ -164,7 +164,13 @@ class DistStore(KVStore):
                     f"{what}: no reply from {names} within "
                     f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)"
                 )
-            timeout = min(left, 0.01 if trackers else left)
+            timeout = left
+            if trackers:  # wake the moment ZeroMQ lets go of a buffer, not a tick later
+                try:
+                    trackers[0].wait(min(left, 0.05))
+                except zmq.NotDone:
+                    pass
+                timeout = 0
             for sock, _ in self._poller.poll(timeout * 1000):
                 if sock is self._control.pipe:
                     self._on_control(self._control.recv(), what)
@@ -219,16 +225,20 @@ class DistStore(KVStore):
 
     def _pushpull(self, items):
         on_reply, finish = self._receiver(items)
-        ids = self._send_push("pushpull", items, on_reply)
-        self._wait("pushpull", ids)
+        trackers: list = []
+        ids = self._send_push("pushpull", items, on_reply, trackers)
+        self._wait("pushpull", ids, trackers)
         finish()
 
-    def _send_push(self, kind: str, items, on_reply) -> list:
+    def _send_push(self, kind: str, items, on_reply, trackers=None) -> list:
+        """Send the pushes of ``items``, one message per server. Without ``trackers`` to fill,
+        return only when ZeroMQ has let go of the caller's buffers (they may be reused)."""
         batches = self._batches(items, lambda item: self._flat(item.values), compress=True)
         body = {"sync": self._sync}
         if self._compression is not None:
             body["compression"] = self._compression.params()
-        trackers: list = []
+        own_trackers = trackers is None
+        trackers = [] if own_trackers else trackers
         ids = []
         for server, (keys, arrays, headers) in batches.items():
             extra = {"headers": headers} if self._compression is not None else {}
@@ -237,17 +247,16 @@ class DistStore(KVStore):
                     server, kind, {"keys": keys, **body, **extra}, arrays, on_reply, trackers
                 )
             )
-        # Return only when ZeroMQ has let go of the caller's buffers: they may be reused now.
-        self._wait(kind, ids=(), trackers=trackers)
+        if own_trackers:
+            self._wait(kind, ids=(), trackers=trackers)
         return ids
 
     def _flat(self, values) -> np.ndarray:
         """The sum of a key's device arrays as one flat, contiguous host array."""
-        dtype = values[0].dtype if len(values) == 1 else None
         first = values[0]
         if len(values) == 1 and namespace(first) is np and first.flags.c_contiguous:
             return first.reshape(-1)
-        total = reduce_sum(values, dtype or first.dtype, on_device=self._on_device)
+        total = reduce_sum(values, first.dtype, on_device=self._on_device)
         return np.ascontiguousarray(to_host(total)).reshape(-1)
 
     def _batches(self, items, flatten, compress=False) -> dict:

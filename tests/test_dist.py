@@ -27,3 +27,17 @@ def test_device_sync(cluster):
 def test_async_no_lost_update(cluster, num_server, num_worker):
     c = cluster(num_server, num_worker, KVSTORE_BIGARRAY_BOUND=2000)
     c.run_workers("async_sum.py", [30])
+
+
+def test_ps_verbose_levels(cluster):
+    c = cluster(1, 1, PS_VERBOSE=1)
+    c.run_workers("loop.py", [3])
+    c.wait([c.procs["scheduler"], c.procs["server0"]], 20)
+    log = c.output("scheduler")
+    for text in ("registered server", "registered worker", "barrier(worker)", "heartbeat from"):
+        assert text in log, log
+    assert "pushpull [['w', 0]" not in c.output("server0")  # every message: level 2 only
+    c2 = cluster(1, 1, PS_VERBOSE=2)
+    c2.run_workers("loop.py", [3])
+    c2.wait([c2.procs["server0"]], 20)
+    assert "pushpull [['w', 0], ['b', 0]] from worker-0" in c2.output("server0")
