@@ -233,9 +233,7 @@ def main(argv=None) -> int:
     if args.as_worker:
         return worker_main(args)
     started = time.monotonic()
-    results = roundtrip_rates(parse_sizes(args.sizes), args.reps, args.budget)
-    if args.keys != 1000:
-        results = [r for r in results if r["size"] != "1000x1K"]
+    results = roundtrip_rates(parse_sizes(args.sizes), args.reps, args.budget, args.keys or 1)
     for mode in args.modes.split(","):
         results += run_cluster(args, mode, None)
     if not args.no_compression:
