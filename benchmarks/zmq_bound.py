@@ -20,6 +20,8 @@ import time
 import numpy as np
 import zmq
 
+from kvstore.memory import tune_allocator
+
 SIZES = {"4K": 4 << 10, "256K": 256 << 10, "4M": 4 << 20, "64M": 64 << 20}
 
 
@@ -28,6 +30,7 @@ def parse_sizes(text: str) -> dict:
 
 
 def _echo(port_queue) -> None:
+    tune_allocator()  # the same allocator settings kvstore's processes use
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port_queue.put(sock.bind_to_random_port("tcp://127.0.0.1"))
@@ -44,6 +47,7 @@ class EchoServer:
     """An echo ROUTER in a separate process (as a kvstore server is)."""
 
     def __enter__(self):
+        tune_allocator()
         queue = mp.get_context("spawn").Queue()
         self.proc = mp.get_context("spawn").Process(target=_echo, args=(queue,), daemon=True)
         self.proc.start()

@@ -33,6 +33,7 @@ from .compression import Compression, packed_size
 from .config import Config, setup_logging
 from .control import Control
 from .errors import KVStoreError
+from .memory import tune_allocator
 from .protocol import Message, ProtocolError, decode, encode, error_reply
 
 log = logging.getLogger("kvstore.server")
@@ -56,6 +57,7 @@ class KeyState:
     pullers: list = field(default_factory=list)  # pulls waiting for this round
     queued: deque = field(default_factory=deque)  # (rank, Request, grad) for the next round
     started: float = 0.0
+    first: np.ndarray | None = None  # the round's first push, summed when the second arrives
     trackers: list = field(default_factory=list)  # zero-copy sends still reading ``stored``
 
 
@@ -270,10 +272,13 @@ class Server:
         if rank in state.pushers:
             state.queued.append((rank, req, grad))
             return
-        if not state.pushers:
+        if not state.pushers:  # keep the frame; summing two pushes is one pass, not two
             state.started = time.monotonic()
-            np.copyto(state.merge, grad)
+            state.first = grad
             self.active.add(key)
+        elif state.first is not None:
+            np.add(state.first, grad, out=state.merge)
+            state.first = None
         else:
             np.add(state.merge, grad, out=state.merge)
         state.pushers[rank] = req
@@ -281,7 +286,9 @@ class Server:
             self._complete(key, state)
 
     def _complete(self, key, state: KeyState) -> None:
-        self._apply(key, state, state.merge, accumulate=False)
+        total = state.merge if state.first is None else state.first
+        state.first = None
+        self._apply(key, state, total, accumulate=False)
         done = [*state.pushers.values(), *state.pullers]
         state.pushers, state.pullers = {}, []
         self.active.discard(key)
@@ -331,7 +338,7 @@ class Server:
             log.error("%s: %s", self.name, text)
             for req in [*state.pushers.values(), *state.pullers]:
                 self._fail(req, text)
-            state.pushers, state.pullers = {}, []
+            state.pushers, state.pullers, state.first = {}, [], None
             self.active.discard(key)
             self._start_queued(key, state)
 
@@ -378,6 +385,7 @@ def main() -> int:
         print(f"kvstore.server: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.verbose, "server")
+    tune_allocator()
     try:
         server = Server(cfg)
     except OSError as exc:

@@ -26,6 +26,7 @@ from .arrays import copy_into, namespace, reduce_sum, to_host
 from .config import Config, setup_logging
 from .control import Control, raise_for
 from .errors import KVStoreError
+from .memory import tune_allocator
 from .optimizer import Optimizer
 from .protocol import Message, ProtocolError, decode, encode
 from .store import KVStore
@@ -42,6 +43,7 @@ def create_dist(kind: str) -> KVStore:
 
         sys.exit((server if cfg.role == "server" else scheduler).main())
     setup_logging(cfg.verbose, "worker")
+    tune_allocator()
     return DistStore(kind, cfg)
 
 
