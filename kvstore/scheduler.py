@@ -14,6 +14,7 @@ Run it alone with ``DMLC_ROLE=scheduler ... python -m kvstore.scheduler``.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -316,7 +317,13 @@ class Scheduler:
 
 
 def bind_host(host: str) -> str:
-    return "*" if host in ("0.0.0.0", "") else host
+    """ZeroMQ binds to addresses, not names: resolve DMLC_PS_ROOT_URI when it is a name."""
+    if host in ("0.0.0.0", "", "*"):
+        return "*"
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host  # the bind that follows reports it
 
 
 def main() -> int:

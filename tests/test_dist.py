@@ -41,3 +41,8 @@ def test_ps_verbose_levels(cluster):
     c2.run_workers("loop.py", [3])
     c2.wait([c2.procs["server0"]], 20)
     assert "pushpull [['w', 0], ['b', 0]] from worker-0" in c2.output("server0")
+
+
+def test_scheduler_address_given_as_a_name(cluster):
+    c = cluster(1, 2, DMLC_PS_ROOT_URI="localhost")
+    c.run_workers("loop.py", [2])
