@@ -166,7 +166,7 @@ def _accuracy(kind, *extra):
             "-s",
             "2",
             "--env",
-            "KVSTORE_HEARTBEAT_INTERVAL=0.2",
+            "KVSTORE_HEARTBEAT_INTERVAL=0.5",
             sys.executable,
             str(ROOT / "examples" / "train_mlp.py"),
             "--kv-store",

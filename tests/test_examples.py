@@ -13,7 +13,7 @@ from .cluster import ROOT
 
 MLP = ROOT / "examples" / "train_mlp.py"
 TORCH_EXAMPLE = ROOT / "examples" / "pytorch_dist.py"
-FAST = ["--env", "KVSTORE_HEARTBEAT_INTERVAL=0.2"]
+FAST = ["--env", "KVSTORE_HEARTBEAT_INTERVAL=0.5"]
 
 
 def run_local(tmp_path, *args, script=MLP, name="local.npz"):

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -118,7 +119,7 @@ def test_bad_invocations(args, match):
 
 def test_local_job_prefixes_output_and_passes_env():
     done = launch(
-        "-n", "2", "-s", "2", "--env", "KVSTORE_HEARTBEAT_INTERVAL=0.2", sys.executable, LOOP, 3
+        "-n", "2", "-s", "2", "--env", "KVSTORE_HEARTBEAT_INTERVAL=0.5", sys.executable, LOOP, 3
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
@@ -198,7 +199,7 @@ def test_ssh_two_hosts_with_sync(sshd, tmp_path):
         "--sync-dst-dir",
         dst,
         "--env",
-        "KVSTORE_HEARTBEAT_INTERVAL=0.2",
+        "KVSTORE_HEARTBEAT_INTERVAL=0.5",
         sys.executable,
         "loop.py",
         3,
@@ -272,7 +273,7 @@ def test_mpi_job():
         "--launcher",
         "mpi",
         "--env",
-        "KVSTORE_HEARTBEAT_INTERVAL=0.2",
+        "KVSTORE_HEARTBEAT_INTERVAL=0.5",
         sys.executable,
         LOOP,
         3,
@@ -413,3 +414,12 @@ def test_child_role_from_task_index(env, expected):
     from kvstore.launch.child import task_role
 
     assert task_role(env, 1) == expected
+
+
+def test_entry_points():
+    for argv in (
+        [sys.executable, "-m", "kvstore.launch", "-h"],
+        [str(Path(sys.executable).with_name("kvstore-launch")), "-h"],
+    ):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "--num-workers" in done.stdout, argv
