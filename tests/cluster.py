@@ -31,7 +31,7 @@ def base_env(num_server: int, num_worker: int, port: int | None = None, **extra)
             "DMLC_NODE_HOST": "127.0.0.1",
             "PYTHONPATH": str(ROOT),
             "KVSTORE_HEARTBEAT_INTERVAL": "0.2",
-            "KVSTORE_HEARTBEAT_TIMEOUT": "3",  # failures show within 3 s, a busy CI machine is no failure
+            "KVSTORE_HEARTBEAT_TIMEOUT": "3",  # quick to notice a death, patient with a busy CI
             "KVSTORE_START_TIMEOUT": "30",
             "KVSTORE_TIMEOUT": "60",
             "KVSTORE_ROUND_TIMEOUT": "30",
