@@ -141,12 +141,16 @@ def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    merged = []  # per worker: the mean over workers of each statistic
+    return mean_over_workers(per_worker)
+
+
+def mean_over_workers(per_worker: list[list[dict]]) -> list[dict]:
+    """One row per measurement: each statistic averaged over the workers (or ranks)."""
+    merged = []
     for rows in zip(*per_worker, strict=True):
-        row = dict(rows[0])
+        row = dict(rows[0], workers=len(rows))
         for stat in ("median", "min", "max"):
             row[stat] = statistics.fmean(r[stat] for r in rows)
-        row["workers"] = args.workers
         merged.append(row)
     return merged
 
@@ -190,15 +194,7 @@ def run_gloo(args) -> list[dict]:
         p.join(30)
         if p.is_alive():
             p.kill()
-    per_rank = [r for _, r in sorted(rows)]
-    merged = []
-    for rows in zip(*per_rank, strict=True):
-        row = dict(rows[0])
-        for stat in ("median", "min", "max"):
-            row[stat] = statistics.fmean(r[stat] for r in rows)
-        row["workers"] = args.workers
-        merged.append(row)
-    return merged
+    return mean_over_workers([r for _, r in sorted(rows)])
 
 
 def table(results: list[dict]) -> str:
