@@ -50,6 +50,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "finalize": {},
     "node_failed": {"node": (str,), "reason": (str,)},
     "shutdown": {},
+    "worker_done": {"rank": (int,)},
     # worker <-> server
     "init": {"keys": (list,)},
     "push": {"keys": (list,)},

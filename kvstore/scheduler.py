@@ -257,6 +257,9 @@ class Scheduler:
         node.finalized = True
         self._send(node.identity, Message("ack", msg.id, "scheduler"))
         log.info("%s finished", node.name)
+        if node.role == "worker":  # its servers can fail rounds it will never join, at once
+            done = Message("worker_done", 0, "scheduler", {"rank": node.rank})
+            self._broadcast(done, roles=("server",))
         workers = [n for n in self.nodes.values() if n.role == "worker"]
         if self.ready and all(n.finalized for n in workers):
             log.info("all workers finished; shutting servers down")

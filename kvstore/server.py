@@ -87,6 +87,7 @@ class Server:
         self.updater: opt.Updater | None = None
         self.rank = -1
         self.num_workers = cfg.num_worker
+        self.finished: set[int] = set()  # workers that closed their store
         self.name = "server"
 
     # ---- life cycle
@@ -118,6 +119,9 @@ class Server:
                 if msg.kind == "shutdown":
                     log.info("%s: shutdown", self.name)
                     return 0
+                if msg.kind == "worker_done":
+                    self.finished.add(msg.body["rank"])
+                    next_check = 0.0
                 if msg.kind == "node_failed":
                     text = f"{msg.body['node']} failed: {msg.body['reason']}"
                     log.error("%s: %s; stopping", self.name, text)
@@ -324,16 +328,28 @@ class Server:
         state.trackers.clear()
 
     def _expire_rounds(self, now: float) -> None:
+        """Fail the rounds that cannot complete: a worker that should push has finished, or
+        the round deadline has passed."""
         for key in list(self.active):
             state = self.keys[key]
-            if now - state.started <= self.cfg.round_timeout:
-                continue
             missing = sorted(set(range(self.num_workers)) - set(state.pushers))
+            gone = sorted(self.finished.intersection(missing))
+            if gone:
+                why = (
+                    f"cannot complete: worker rank(s) {gone} finished (closed the store) "
+                    "without pushing it"
+                )
+            elif now - state.started > self.cfg.round_timeout:
+                why = (
+                    f"timed out after {self.cfg.round_timeout:g}s (KVSTORE_ROUND_TIMEOUT): "
+                    f"worker rank(s) {missing} did not push it"
+                )
+            else:
+                continue
             text = (
-                f"dist_sync round of key {_show(key)} timed out after "
-                f"{self.cfg.round_timeout:g}s (KVSTORE_ROUND_TIMEOUT): worker rank(s) "
-                f"{missing} did not push it, rank(s) {sorted(state.pushers)} did; every "
-                "worker must push each key the same number of times"
+                f"dist_sync round of key {_show(key)} {why}; rank(s) "
+                f"{sorted(state.pushers)} did. Every worker must push each key the same "
+                "number of times"
             )
             log.error("%s: %s", self.name, text)
             for req in [*state.pushers.values(), *state.pullers]:

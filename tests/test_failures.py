@@ -51,15 +51,30 @@ def test_worker_dies_mid_training(cluster):
     assert c.wait([c.procs["server0"]], 10) == [1]
 
 
-def test_uneven_rounds_name_key_and_rank(cluster):
-    c = cluster(1, 2, KVSTORE_ROUND_TIMEOUT=2)
+def test_uneven_rounds_fail_at_once_naming_key_and_rank(cluster):
+    c = cluster(1, 2, KVSTORE_ROUND_TIMEOUT=60)  # no waiting for the deadline: rank 1 is done
     workers = c.start_workers("loop.py", [10, 1, 5])  # rank 1 stops after 5 rounds
     codes = c.wait(workers, 30)
-    assert codes[1] == 0, c.dump()
+    assert codes == [3, 0], c.dump()
     out = c.output("worker0")
-    assert codes[0] == 3, c.dump()
-    assert "round of key 'w' timed out" in out or "round of key 'b' timed out" in out, out
-    assert "worker rank(s) [1] did not push" in out, out
+    assert "dist_sync round of key 'w' cannot complete" in out, out
+    assert "worker rank(s) [1] finished (closed the store) without pushing it" in out, out
+    after = float(out.split("KVStoreError after ")[1].split("s:")[0])
+    assert after < 30, out
+
+
+def test_round_and_barrier_deadlines(cluster):
+    """Rank 1 waits in a barrier while rank 0 waits for rank 1's push: both get an error
+    naming the other after KVSTORE_ROUND_TIMEOUT, instead of hanging."""
+    c = cluster(1, 2, KVSTORE_ROUND_TIMEOUT=2)
+    workers = c.start_workers("loop.py", [10, 1, 5, "barrier"])
+    codes = c.wait(workers, 30)
+    assert codes == [3, 3], c.dump()
+    assert "timed out after 2s (KVSTORE_ROUND_TIMEOUT): worker rank(s) [1] did not push it" in (
+        c.output("worker0")
+    )
+    assert "barrier(worker) timed out after 2s" in c.output("worker1")
+    assert "worker 0 (127.0.0.1 pid" in c.output("worker1")
 
 
 def _worker(env, code, timeout=30):

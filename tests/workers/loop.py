@@ -1,6 +1,7 @@
 """Train in a loop (bounded) and report a KVStoreError instead of a traceback.
 
-argv: rounds of pushpull; then an optional rank that stops early after that many rounds.
+argv: rounds of pushpull; then optionally a rank that stops early after that many rounds,
+and what it does then: "close" (default) or "barrier" (waits for the others, who never come).
 """
 
 import os
@@ -13,6 +14,7 @@ import kvstore
 
 rounds = int(sys.argv[1])
 short_rank, short_rounds = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (-1, 0)
+then = sys.argv[4] if len(sys.argv) > 4 else "close"
 started = time.monotonic()
 print(f"pid {os.getpid()}", flush=True)
 try:
@@ -26,6 +28,8 @@ try:
         print(f"round {rnd}", flush=True)
         if time.monotonic() - started > 60:
             break
+    if kv.rank == short_rank and then == "barrier":
+        kv.barrier()
     kv.close()
     print("done", flush=True)
 except kvstore.KVStoreError as exc:
