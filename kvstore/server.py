@@ -281,7 +281,8 @@ class Server:
             state.first = grad
             self.active.add(key)
         elif state.first is not None:
-            np.add(state.first, grad, out=state.merge)
+            self._release(state)  # the buffer may be an older value a reply is still reading
+            np.add(state.first, grad, out=_writable(state, "merge"))
             state.first = None
         else:
             np.add(state.merge, grad, out=state.merge)
@@ -310,11 +311,13 @@ class Server:
         """``stored = updater(grad, stored)``; without an updater, assign (sync) or add (async)."""
         self._release(state)
         if self.updater is not None:
-            self.updater(key, grad, state.stored)
+            self.updater(key, grad, _writable(state, "stored"))
         elif accumulate:
-            np.add(state.stored, grad, out=state.stored)
-        else:
-            np.copyto(state.stored, grad)
+            np.add(state.stored, grad, out=_writable(state, "stored"))
+        elif grad is state.merge:  # the round's sum becomes the value; the old one, the buffer
+            state.stored, state.merge = state.merge, state.stored
+        else:  # one worker: its push (a view of the received frame) is the value, uncopied
+            state.stored = grad
 
     def _release(self, state: KeyState) -> None:
         """Wait until zero-copy sends of ``stored`` are on the wire before changing it."""
@@ -377,6 +380,15 @@ class Server:
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")
+
+
+def _writable(state: KeyState, name: str) -> np.ndarray:
+    """``state.<name>``, copied first if it is a read-only view of a received frame."""
+    array = getattr(state, name)
+    if not array.flags.writeable:
+        array = array.copy()
+        setattr(state, name, array)
+    return array
 
 
 def _worker_rank(identity: bytes, num_workers: int) -> int:
