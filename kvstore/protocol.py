@@ -22,6 +22,7 @@ array([1., 1.], dtype=float32)
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -158,7 +159,8 @@ def decode(frames: list) -> Message:
         )
     if kind in _KEYED_ARRAYS and len(specs) != len(body["keys"]):
         raise ProtocolError(f"{kind}: {len(body['keys'])} keys but {len(specs)} arrays")
-    arrays = [_array(kind, spec, buffers) for spec in specs]
+    sizes = [memoryview(b).nbytes for b in buffers]
+    arrays = [_array(kind, spec, buffers, sizes) for spec in specs]
     return Message(kind, msg_id, sender, body, arrays)
 
 
@@ -174,29 +176,33 @@ def _check_keys(kind: str, keys: list) -> None:
             raise ProtocolError(f"{kind}: each key must be [int or str, part index], got {key!r}")
 
 
-def _array(kind: str, spec, buffers) -> np.ndarray:
+def _array(kind: str, spec, buffers, sizes) -> np.ndarray:
     try:
         dtype_str, shape, frame, offset = spec
-        dtype = np.dtype(dtype_str)
-        shape = tuple(int(n) for n in shape)
+        dtype = _dtype(dtype_str)
+        shape = tuple(shape)
+        count = math.prod(shape)
     except Exception:
         raise ProtocolError(f"{kind}: bad array description {spec!r}") from None
     if (
         dtype.kind not in _DTYPE_KINDS
-        or any(n < 0 for n in shape)
-        or not isinstance(offset, int)
+        or not all(type(n) is int and n >= 0 for n in shape)
+        or type(offset) is not int
         or offset < 0
     ):
         raise ProtocolError(f"{kind}: bad array description {spec!r}")
-    count = math.prod(shape)
-    buf = buffers[frame]
-    size = memoryview(buf).nbytes
+    size = sizes[frame]
     if offset + dtype.itemsize * count > size:
         raise ProtocolError(
             f"{kind}: array of {dtype.itemsize * count} bytes at offset {offset} does not fit "
             f"its frame of {size} bytes (truncated frame?)"
         )
-    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return np.frombuffer(buffers[frame], dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(name)
 
 
 def error_reply(request: Message, sender: str, text: str) -> Message:

@@ -302,6 +302,8 @@ class Server:
         self._start_queued(key, state)
 
     def _start_queued(self, key, state: KeyState) -> None:
+        if not state.queued:
+            return
         queued, state.queued = state.queued, deque()
         for rank, req, grad in queued:
             if not req.failed:
