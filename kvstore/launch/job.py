@@ -1,14 +1,16 @@
 """Supervise the processes of a job: start them, prefix their output, wait, stop them all.
 
 Each process is started in its own session, its output read line by line and written with
-its name in front (``[worker 0] epoch 1 ...``). The first process to exit non-zero brings the
-job down: the others are stopped and the launcher exits with that status, saying which process
-failed and how. Ctrl-C (or SIGTERM) stops every process the launcher started.
+its name in front (``[worker 0] epoch 1 ...``). The first process to exit non-zero (in the
+order the processes end) brings the job down: the others are stopped and the launcher exits
+with that status, saying which process failed and how. Ctrl-C (or SIGTERM) stops every
+process the launcher started.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ class Supervisor:
         self.procs: list[Proc] = []
         self.lock = threading.Lock()
         self.readers: list[threading.Thread] = []
+        self.exits: queue.Queue = queue.Queue()
 
     def say(self, text: str) -> None:
         with self.lock:
@@ -67,33 +70,34 @@ class Supervisor:
             with self.lock:
                 self.out.write(f"{line}\n" if proc.prefixed else f"[{proc.name}] {line}\n")
                 self.out.flush()
+        proc.popen.wait()
+        self.exits.put(proc)  # in the order the processes ended
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for every process; the first failure stops the rest. Returns the exit status."""
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         deadline = None if timeout is None else time.monotonic() + timeout
+        ended = 0
         try:
-            while True:
-                running = [p for p in self.procs if p.popen.poll() is None]
-                failed = next((p for p in self.procs if p.popen.returncode), None)
-                if failed is not None:
-                    self.say(
-                        f"{failed.name} on {failed.where} {_describe(failed.popen.returncode)}"
-                        f"{_tail(failed)}; stopping the other processes"
-                    )
-                    self.stop()
-                    return _status(failed.popen.returncode)
-                if not running:
-                    self._drain()
-                    return 0
+            while ended < len(self.procs):
                 if deadline is not None and time.monotonic() > deadline:
                     self.say(f"job still running after {timeout:g}s; stopping it")
                     self.stop()
                     return 124
                 try:
-                    running[0].popen.wait(0.1)
-                except subprocess.TimeoutExpired:
-                    pass
+                    proc = self.exits.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                ended += 1
+                if proc.popen.returncode:  # the first to fail is the cause; the rest follow it
+                    self.say(
+                        f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}"
+                        f"{_tail(proc)}; stopping the other processes"
+                    )
+                    self.stop()
+                    return _status(proc.popen.returncode)
+            self._drain()
+            return 0
         except KeyboardInterrupt:
             self.say("interrupted; stopping every process")
             self.stop()
