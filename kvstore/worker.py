@@ -398,5 +398,5 @@ class DistStore(KVStore):
         self._closed = True
         self._control.close(finalize=finalize)
         for sock in self._sockets:
-            sock.close(linger=0 if self._failure else 1000)
+            sock.close(linger=0)  # every request was answered, or the job has failed
         self._ctx.term()

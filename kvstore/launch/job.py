@@ -89,11 +89,8 @@ class Supervisor:
                 except queue.Empty:
                     continue
                 ended += 1
-                if proc.popen.returncode:  # the first to fail is the cause; the rest follow it
-                    self.say(
-                        f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}"
-                        f"{_tail(proc)}; stopping the other processes"
-                    )
+                if proc.popen.returncode:  # the first to fail is the cause, or one of them
+                    self._report_failures(proc)
                     self.stop()
                     return _status(proc.popen.returncode)
             self._drain()
@@ -104,6 +101,22 @@ class Supervisor:
             return 130
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _report_failures(self, first: Proc, window: float = 2.0) -> None:
+        """Name ``first`` and every process that fails on its own within ``window`` seconds:
+        when one failure causes another, the cause may be the slower one to exit."""
+        failed = [first]
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:
+            try:
+                proc = self.exits.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if proc.popen.returncode:
+                failed.append(proc)
+        for proc in failed:
+            self.say(f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{_tail(proc)}")
+        self.say("stopping the other processes")
 
     def stop(self, grace: float = 5.0) -> None:
         """Close each process's stdin (remote ones stop on that), SIGTERM its group, then kill."""
