@@ -374,7 +374,7 @@ class Updater:
     def loads(self, blob: bytes, like: dict | None = None) -> None:
         """Load :meth:`dumps` output. ``like`` maps a key to a weight, whose array module and
         device the loaded state takes (so a CuPy store gets CuPy state)."""
-        data = unpack_states(blob)
+        data = _unpack_states(blob)
         for key, count, arrays in data["entries"]:
             ref = (like or {}).get(key)
             if ref is not None:
@@ -385,7 +385,7 @@ class Updater:
         self.num_update = max(self.num_update, data["num_update"])
 
 
-def unpack_states(blob: bytes) -> dict:
+def _unpack_states(blob: bytes) -> dict:
     try:
         data = msgpack.unpackb(blob, strict_map_key=False)
         data["entries"] = [
