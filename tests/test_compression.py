@@ -1,8 +1,5 @@
 """2-bit and 1-bit gradient compression with error feedback."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -10,7 +7,7 @@ import kvstore
 from kvstore.compression import Compression, packed_size
 from kvstore.protocol import Message, encode
 
-from .cluster import ROOT
+from .test_examples import run_launch, final_accuracy
 
 rng = np.random.default_rng(3)
 
@@ -156,42 +153,28 @@ def test_distributed_compressed_sums(cluster, kind, scheme):
 ACCURACY_MARGIN = 0.05
 
 
-def _accuracy(kind, *extra):
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "-n",
-            "2",
-            "-s",
-            "2",
-            "--env",
-            "KVSTORE_HEARTBEAT_INTERVAL=0.5",
-            sys.executable,
-            str(ROOT / "examples" / "train_mlp.py"),
-            "--kv-store",
-            kind,
-            "--batch-size",
-            "16",
-            "--epochs",
-            "8",
-            "--momentum",
-            "0.5",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
+def _accuracy(tmp_path, kind, *extra):
+    _, out = run_launch(
+        tmp_path,
+        2,
+        2,
+        "--kv-store",
+        kind,
+        "--batch-size",
+        16,
+        "--epochs",
+        8,
+        "--momentum",
+        0.5,
+        *extra,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return float(done.stdout.split("rank 0: test accuracy ")[1].split()[0])
+    return final_accuracy(out)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
-def test_training_accuracy_with_compression(kind):
-    plain = _accuracy(kind)
+def test_training_accuracy_with_compression(tmp_path, kind):
+    plain = _accuracy(tmp_path, kind)
     for scheme in ("2bit", "1bit"):
-        compressed = _accuracy(kind, "--gradient-compression", scheme)
+        compressed = _accuracy(tmp_path, kind, "--gradient-compression", scheme)
         assert compressed > plain - ACCURACY_MARGIN, (scheme, compressed, plain)

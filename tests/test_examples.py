@@ -58,6 +58,11 @@ def run_launch(
     return dict(np.load(out)), done.stdout
 
 
+def final_accuracy(out: str) -> float:
+    """Rank 0's final test accuracy from an example's output."""
+    return float(out.split("rank 0: test accuracy ")[1].split()[0])
+
+
 def assert_same(a, b, rtol=1e-5, atol=1e-6):
     assert a.keys() == b.keys()
     for k in a:
@@ -195,8 +200,7 @@ def test_dist_async_converges(tmp_path):
     _, out = run_launch(
         tmp_path, 2, 2, "--kv-store", "dist_async", "--batch-size", 16, "--epochs", 8
     )
-    accuracy = float(out.split("rank 0: test accuracy ")[1].split()[0])
-    assert accuracy > ACCURACY_FLOOR, out
+    assert final_accuracy(out) > ACCURACY_FLOOR, out
 
 
 def test_pytorch_adapter_matches_single_process(tmp_path):
@@ -217,36 +221,20 @@ def test_pytorch_adapter_matches_single_process(tmp_path):
     assert_same(local, dist, rtol=1e-4, atol=1e-5)
 
 
+def assert_launcher_matches_local(tmp_path, launcher):
+    local, _ = run_local(tmp_path, "--batch-size", 32, *STEPS)
+    dist, _ = run_launch(
+        tmp_path, 2, 2, "--kv-store", "dist_sync", "--batch-size", 16, *STEPS, launcher=launcher
+    )
+    assert_same(local, dist)
+
+
 def test_training_through_ssh_equals_local(tmp_path, sshd):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.2\n")
-    local, _ = run_local(tmp_path, "--batch-size", 32, *STEPS)
-    dist, _ = run_launch(
-        tmp_path,
-        2,
-        2,
-        "--kv-store",
-        "dist_sync",
-        "--batch-size",
-        16,
-        *STEPS,
-        launcher=["--launcher", "ssh", "-H", hosts, *sshd.ssh_options()],
-    )
-    assert_same(local, dist)
+    assert_launcher_matches_local(tmp_path, ["--launcher", "ssh", "-H", hosts, *sshd.ssh_options()])
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 def test_training_through_mpi_equals_local(tmp_path):
-    local, _ = run_local(tmp_path, "--batch-size", 32, *STEPS)
-    dist, _ = run_launch(
-        tmp_path,
-        2,
-        2,
-        "--kv-store",
-        "dist_sync",
-        "--batch-size",
-        16,
-        *STEPS,
-        launcher=["--launcher", "mpi"],
-    )
-    assert_same(local, dist)
+    assert_launcher_matches_local(tmp_path, ["--launcher", "mpi"])
