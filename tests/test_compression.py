@@ -7,7 +7,7 @@ import kvstore
 from kvstore.compression import Compression, packed_size
 from kvstore.protocol import Message, encode
 
-from .test_examples import run_launch, final_accuracy
+from .test_examples import final_accuracy, run_launch
 
 rng = np.random.default_rng(3)
 
