@@ -33,20 +33,27 @@ class Meta:
     dtype: np.dtype
 
 
+# An argument left out, told apart from a None the caller passed (an error, named as such).
+_ABSENT = object()
+
+
 def _norm_key(key):
     if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer, str)):
         raise TypeError(f"key {key!r}: keys must be int or str, got {type(key).__name__}")
     return int(key) if isinstance(key, np.integer) else key
 
 
-def _as_list(value, what: str, key) -> list:
+def _as_list(value, what: str, key, role: str = "value") -> list:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
         raise ValueError(f"{what}(key={key!r}): empty list of arrays")
     for a in items:
         if not is_array(a):
+            got = "None" if a is None else type(a).__name__
+            name = "" if role == "value" else f"{role}: "
             raise TypeError(
-                f"{what}(key={key!r}): expected a NumPy or CuPy array, got {type(a).__name__}"
+                f"{what}(key={key!r}): {name}expected a NumPy or CuPy array (or a list of "
+                f"them, one per device), got {got}"
             )
     return items
 
@@ -95,7 +102,7 @@ class KVStore:
         self.close()
 
     # ---- argument checking
-    def _items(self, what: str, keys, values=None, outs=None, need_init=True) -> list[Item]:
+    def _items(self, what: str, keys, values=_ABSENT, outs=_ABSENT, need_init=True) -> list[Item]:
         single = not isinstance(keys, (list, tuple))
         key_list = [keys] if single else list(keys)
         if not key_list:
@@ -112,11 +119,16 @@ class KVStore:
             raise ValueError(f"{what}: duplicate keys in one call: {norm!r}")
         per_key = {}
         for name, given in (("values", values), ("out", outs)):
-            if given is None:
+            if given is _ABSENT:
                 per_key[name] = [None] * len(norm)
             elif single:
                 per_key[name] = [given]
             else:
+                if given is None:
+                    raise TypeError(
+                        f"{what}(key={norm!r}): expected one array (or a list of arrays, one "
+                        f"per device) per key, got None"
+                    )
                 if not isinstance(given, (list, tuple)) or len(given) != len(norm):
                     n = len(given) if isinstance(given, (list, tuple)) else 1
                     raise ValueError(
@@ -128,8 +140,8 @@ class KVStore:
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
             item = Item(
                 key,
-                [] if v is None else _as_list(v, what, key),
-                [] if o is None else _as_list(o, what, key),
+                [] if values is _ABSENT else _as_list(v, what, key),
+                [] if outs is _ABSENT else _as_list(o, what, key, "out"),
             )
             if need_init:
                 meta = self._meta.get(key)
