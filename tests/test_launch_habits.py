@@ -4,13 +4,14 @@ run them (through launch.py where it is about the launcher), reading what they r
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import kvstore
 
-from .cluster import ROOT
+from .cluster import ROOT, poll_until
 
 
 def launch(*args, cwd=ROOT, env=None, timeout=60):
@@ -41,6 +42,39 @@ def _started_pids(out: str) -> dict:
             name = line[len("launch: started ") :].split(" on ")[0]
             pids[name] = int(line.rsplit("(pid ", 1)[1].rstrip(")"))
     return pids
+
+
+# ---------------------------------------------------------------- 5: no distributed store
+
+
+def test_job_without_a_distributed_store_ends_at_once():
+    # The classic slip: the script's default is a local store, the user forgot --kv-store.
+    code = "import kvstore\nkv = kvstore.create('local')\nprint('trained alone')\n"
+    started = time.monotonic()
+    done = launch("-n", "2", "-s", "2", sys.executable, "-c", code, timeout=60)
+    took = time.monotonic() - started
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert took < 20, f"took {took:.1f}s:\n{out}"  # not the 60 s start-up timeout
+    assert "[worker 0] trained alone" in out and "[worker 1] trained alone" in out
+    assert "no worker created a distributed store" in out
+    assert "did you pass --kv-store dist_sync?" in out
+    pids = _started_pids(done.stdout)
+    assert {"scheduler", "server 0", "server 1", "worker 0", "worker 1"} <= set(pids), out
+    for name in ("scheduler", "server 0", "server 1"):  # stopped by the launcher, not left
+        pid = pids[name]
+        assert poll_until(lambda pid=pid: not _alive(pid), 5), f"{name} (pid {pid}) still running"
+
+
+def test_normal_job_gives_no_store_warning():
+    code = (
+        "import numpy as np, kvstore\nkv = kvstore.create('dist_sync')\n"
+        "kv.init(0, np.zeros(2))\nkv.pushpull(0, np.ones(2))\nprint('rank', kv.rank)\n"
+    )
+    done = launch("-n", "2", "-s", "1", "--timeout", "50", sys.executable, "-c", code)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker 1] rank 1" in done.stdout
+    assert "no worker created a distributed store" not in done.stdout
 
 
 # ---------------------------------------------------------------- 9: None as a value

@@ -196,7 +196,14 @@ def main(argv=None) -> int:
         "DMLC_NODE_HOST": spec.root_uri,
     }
     try:
-        sup.start(Proc("scheduler", [sys.executable, "-m", "kvstore.scheduler"], scheduler_env))
+        sup.start(
+            Proc(
+                "scheduler",
+                [sys.executable, "-m", "kvstore.scheduler"],
+                scheduler_env,
+                role="scheduler",
+            )
+        )
         for proc in procs:
             sup.start(proc)
     except RuntimeError as exc:

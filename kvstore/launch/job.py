@@ -3,8 +3,11 @@
 Each process is started in its own session, its output read line by line and written with
 its name in front (``[worker 0] epoch 1 ...``). The first process to exit non-zero (in the
 order the processes end) brings the job down: the others are stopped and the launcher exits
-with that status, saying which process failed and how. Ctrl-C (or SIGTERM) stops every
-process the launcher started.
+with that status, saying which process failed and how. Once every worker has exited 0, the
+scheduler and servers get a moment to end by themselves (they do once the workers closed their
+stores); any still running then are stopped and the job ends with status 0, with a warning
+when the scheduler was still waiting (no worker created a distributed store). Ctrl-C (or
+SIGTERM) stops every process the launcher started.
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ class Proc:
     argv: list[str]
     env: dict | None = None
     where: str = "localhost"
+    role: str = ""  # "scheduler", "server", "worker"; "" for one process of many tasks (mpirun)
     prefixed: bool = False  # output already carries role names (mpirun, srun, ...)
     popen: subprocess.Popen | None = field(default=None, repr=False)
     last_lines: list = field(default_factory=list, repr=False)
 
 
 class Supervisor:
+    # After the last worker exits 0, how long the scheduler and servers get to end themselves.
+    # They normally end within a fraction of a second; a scheduler still running then was
+    # never joined by any worker.
+    after_workers_grace = 2.0
+
     def __init__(self, out=None):
         self.out = out or sys.stdout
         self.procs: list[Proc] = []
@@ -77,22 +86,30 @@ class Supervisor:
         """Wait for every process; the first failure stops the rest. Returns the exit status."""
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         deadline = None if timeout is None else time.monotonic() + timeout
-        ended = 0
+        workers = [p for p in self.procs if p.role == "worker"]
+        ended: list[Proc] = []
+        grace_end = None  # set once every worker has exited 0
         try:
-            while ended < len(self.procs):
-                if deadline is not None and time.monotonic() > deadline:
+            while len(ended) < len(self.procs):
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
                     self.say(f"job still running after {timeout:g}s; stopping it")
                     self.stop()
                     return 124
+                if grace_end is not None and now > grace_end:
+                    self._stop_after_workers([p for p in self.procs if p not in ended])
+                    return 0
                 try:
                     proc = self.exits.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                ended += 1
+                ended.append(proc)
                 if proc.popen.returncode:  # the first to fail is the cause, or one of them
                     self._report_failures(proc)
                     self.stop()
                     return _status(proc.popen.returncode)
+                if grace_end is None and workers and all(w in ended for w in workers):
+                    grace_end = time.monotonic() + self.after_workers_grace
             self._drain()
             return 0
         except KeyboardInterrupt:
@@ -101,6 +118,19 @@ class Supervisor:
             return 130
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _stop_after_workers(self, running: list[Proc]) -> None:
+        """Every worker exited 0 a while ago and ``running`` did not end: stop them."""
+        names = ", ".join(p.name for p in running)
+        if any(p.role == "scheduler" for p in running):
+            self.say(
+                "warning: every worker exited 0 but no worker created a distributed store "
+                "(did you pass --kv-store dist_sync?); the scheduler and servers were still "
+                f"waiting for workers to join. Stopping {names}"
+            )
+        else:
+            self.say(f"every worker exited 0; stopping {names}, still running")
+        self.stop()
 
     def _report_failures(self, first: Proc, window: float = 2.0) -> None:
         """Name ``first`` and every process that fails on its own within ``window`` seconds:

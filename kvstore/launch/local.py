@@ -15,6 +15,7 @@ def processes(spec: JobSpec) -> list[Proc]:
             spec.role_command(role),
             {**os.environ, **spec.role_env(role, rank)},
             "localhost",
+            role=role,
         )
         for role, rank in spec.roles()
     ]

@@ -47,7 +47,7 @@ def processes(spec: JobSpec) -> list[Proc]:
     for (role, rank), host in zip(spec.roles(), hosts, strict=True):
         env = {**spec.role_env(role, rank), "DMLC_NODE_HOST": host.name}
         argv = [*ssh_argv(spec, host), remote_command(spec, env, spec.role_command(role))]
-        procs.append(Proc(f"{role} {rank}", argv, None, host.name))
+        procs.append(Proc(f"{role} {rank}", argv, None, host.name, role=role))
     return procs
 
 
