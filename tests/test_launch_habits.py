@@ -2,8 +2,10 @@
 run them (through launch.py where it is about the launcher), reading what they read."""
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -75,6 +77,73 @@ def test_normal_job_gives_no_store_warning():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[worker 1] rank 1" in done.stdout
     assert "no worker created a distributed store" not in done.stdout
+
+
+# ---------------------------------------------------------------- 6: live output
+
+
+def test_worker_output_arrives_while_it_runs(tmp_path):
+    # The worker prints (no flush, as users write it), then waits for a file that this test
+    # creates only once it has read that line through the launcher.
+    go = tmp_path / "go"
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('epoch 1 done')\n"
+        "deadline = time.monotonic() + 20\n"
+        f"while not os.path.exists({str(go)!r}):\n"
+        "    if time.monotonic() > deadline:\n"
+        "        print('never told to go on'); sys.exit(5)\n"
+        "    time.sleep(0.05)\n"
+        "print('finished')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "1", "-s", "1"]
+        + [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
+    reader.start()
+    seen = []
+    try:
+        deadline = time.monotonic() + 15
+        while "[worker 0] epoch 1 done\n" not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0, "the worker's line did not arrive while it ran:\n" + "".join(seen)
+            try:
+                seen.append(lines.get(timeout=left))
+            except queue.Empty:
+                continue
+        go.touch()
+        assert proc.wait(timeout=30) == 0
+        reader.join(5)
+        while not lines.empty():
+            seen.append(lines.get())
+        assert "[worker 0] finished\n" in seen, "".join(seen)
+    finally:
+        if proc.poll() is None:  # SIGTERM: the launcher stops everything it started
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def test_user_pythonunbuffered_is_kept():
+    code = "import os; print('PYTHONUNBUFFERED=' + repr(os.environ.get('PYTHONUNBUFFERED')))"
+    done = launch("-n", "1", "-s", "1", "--env", "PYTHONUNBUFFERED=", sys.executable, "-c", code)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker 0] PYTHONUNBUFFERED=''" in done.stdout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = launch("-n", "1", "-s", "1", sys.executable, "-c", code, env=env)
+    assert "[worker 0] PYTHONUNBUFFERED='1'" in done.stdout, done.stdout
 
 
 # ---------------------------------------------------------------- 9: None as a value

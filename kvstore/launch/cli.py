@@ -125,6 +125,9 @@ def make_spec(args, parser) -> JobSpec:
         raise ValueError("the ssh launcher needs a hostfile: -H FILE with one host per line")
     env = {"DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(num_servers)}
     env.update({k: v for k, v in os.environ.items() if k.startswith(_FORWARD_PREFIXES)})
+    # Python block-buffers stdout into a pipe: without this, a worker's prints would reach
+    # the user only when it exits. A value the user set (here or with --env) wins.
+    env["PYTHONUNBUFFERED"] = os.environ.get("PYTHONUNBUFFERED", "1")
     if args.interface:
         env["DMLC_INTERFACE"] = args.interface
     for item in args.env:
