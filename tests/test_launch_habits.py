@@ -146,6 +146,79 @@ def test_user_pythonunbuffered_is_kept():
     assert "[worker 0] PYTHONUNBUFFERED='1'" in done.stdout, done.stdout
 
 
+# ---------------------------------------------------------------- 7: MXNet's launcher habits
+
+
+def test_hostfile_without_launcher_means_ssh(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:1\n")  # nothing listens on port 1: ssh is refused at once
+    done = launch("-n", "1", "-s", "1", "-H", hosts, sys.executable, "-c", "print('here')")
+    out = done.stdout + done.stderr
+    assert "-H given without --launcher: starting the processes through ssh" in out
+    assert "[worker 0] here" not in out  # it did not run locally
+    assert done.returncode != 0, out
+    assert "(ssh)" in out or "via ssh" in out, out
+
+
+def test_hostfile_with_launcher_local_stays_local(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:1\n")
+    code = "print('here')"
+    done = launch(
+        "-n", "1", "-s", "1", "-H", hosts, "--launcher", "local", sys.executable, "-c", code
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker 0] here" in done.stdout and "via local" in done.stdout
+
+
+def test_hostfile_without_launcher_runs_over_ssh(sshd, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2\n")
+    code = "import os; print('on', os.environ['DMLC_NODE_HOST'])"
+    done = launch(
+        "-n", "1", "-s", "1", "-H", hosts, *sshd.ssh_options(), sys.executable, "-c", code
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker 0] on 127.0.0.2" in done.stdout and "via ssh" in done.stdout
+
+
+def test_help_says_hostfile_implies_ssh():
+    out = " ".join(launch("-h").stdout.split())
+    assert "without --launcher, -H means --launcher ssh" in out
+    assert "NAME:VALUE" in out
+
+
+def test_env_in_mxnet_syntax():
+    code = "import os; print(*(os.environ[n] for n in ('OMP_NUM_THREADS', 'A', 'B', 'C')))"
+    done = launch(
+        "-n",
+        "1",
+        "-s",
+        "1",
+        "--env",
+        "OMP_NUM_THREADS:3",  # MXNet's syntax
+        "--env",
+        "A=x:y",  # '=' first: the value keeps its ':'
+        "--env",
+        "B:/usr/bin:/bin",  # ':' first: a path list as the value
+        "--env",
+        "C:k=v",
+        sys.executable,
+        "-c",
+        code,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker 0] 3 x:y /usr/bin:/bin k=v" in done.stdout
+
+
+@pytest.mark.parametrize("item", ["1X:2", ":3", "=3", "A-B=1"])
+def test_env_bad_name(item):
+    done = launch("-n", "1", "--env", item, "python", "x.py")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "expected NAME, NAME=VALUE or NAME:VALUE" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 # ---------------------------------------------------------------- 9: None as a value
 
 

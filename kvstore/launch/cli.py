@@ -51,14 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--launcher",
         choices=sorted(LAUNCHERS),
-        default="local",
-        help="how processes are started (default: local)",
+        help="how processes are started (default: local, or ssh when -H is given)",
     )
     p.add_argument(
         "-H",
         "--hostfile",
         help="hosts to run on, one per line: host, host:port or host slots=N "
-        "(ssh needs it; mpi, slurm use it when given)",
+        "(ssh needs it; mpi, slurm use it when given); as in MXNet's launch.py, without "
+        "--launcher, -H means --launcher ssh",
     )
     p.add_argument(
         "--sync-dst-dir",
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME[=VALUE]",
-        help="pass an environment variable to every process (repeatable); NAME "
-        "alone passes this shell's value",
+        help="pass an environment variable to every process (repeatable): NAME=VALUE, "
+        "NAME:VALUE (MXNet's form), or NAME alone for this shell's value",
     )
     p.add_argument(
         "--interface", help="network interface whose address nodes announce (sets DMLC_INTERFACE)"
@@ -118,10 +118,11 @@ def make_spec(args, parser) -> JobSpec:
         parser.error("-n/--num-workers and -s/--num-servers must be >= 1")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port} is not a port number")
+    launcher = args.launcher or ("ssh" if args.hostfile else "local")
     hosts = None
     if args.hostfile:
         hosts = parse_hostfile(args.hostfile)
-    elif args.launcher == "ssh":
+    elif launcher == "ssh":
         raise ValueError("the ssh launcher needs a hostfile: -H FILE with one host per line")
     env = {"DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(num_servers)}
     env.update({k: v for k, v in os.environ.items() if k.startswith(_FORWARD_PREFIXES)})
@@ -131,15 +132,15 @@ def make_spec(args, parser) -> JobSpec:
     if args.interface:
         env["DMLC_INTERFACE"] = args.interface
     for item in args.env:
-        name, eq, value = item.partition("=")
+        name, sep, value = _split_env(item)
         if not name.isidentifier():
-            parser.error(f"--env {item!r}: expected NAME or NAME=VALUE")
-        if not eq:
+            parser.error(f"--env {item!r}: expected NAME, NAME=VALUE or NAME:VALUE")
+        if not sep:
             if name not in os.environ:
                 raise ValueError(f"--env {name}: {name} is not set in this shell")
             value = os.environ[name]
         env[name] = value
-    root_uri = scheduler_host(args, hosts)
+    root_uri = scheduler_host(args, launcher, hosts)
     port = args.port or free_port(root_uri)
     env.update({"DMLC_PS_ROOT_URI": root_uri, "DMLC_PS_ROOT_PORT": str(port)})
     return JobSpec(
@@ -153,16 +154,25 @@ def make_spec(args, parser) -> JobSpec:
         ssh_port=args.ssh_port,
         ssh_options=args.ssh_option,
         sync_dst_dir=args.sync_dst_dir,
-        launcher=args.launcher,
+        launcher=launcher,
     )
 
 
-def scheduler_host(args, hosts) -> str:
+def _split_env(item: str) -> tuple[str, str, str]:
+    """``NAME=VALUE`` or MXNet's ``NAME:VALUE``, split at whichever comes first (a name holds
+    neither), so ``A=x:y`` and ``PATH:/a:/b`` keep their values whole; ``NAME`` alone."""
+    cut = min((i for i in (item.find("="), item.find(":")) if i >= 0), default=-1)
+    if cut < 0:
+        return item, "", ""
+    return item[:cut], item[cut], item[cut + 1 :]
+
+
+def scheduler_host(args, launcher, hosts) -> str:
     if args.host_ip:
         return args.host_ip
     if args.interface:
         return interface_address(args.interface)
-    if args.launcher == "local" or not hosts:
+    if launcher == "local" or not hosts:
         return "127.0.0.1"
     try:
         target = socket.gethostbyname(hosts[0].name)
@@ -185,6 +195,11 @@ def main(argv=None) -> int:
     sup = Supervisor()
     try:
         spec = make_spec(args, parser)
+        if args.launcher is None and spec.launcher == "ssh":
+            sup.say(
+                "-H given without --launcher: starting the processes through ssh "
+                "(--launcher local runs them on this machine)"
+            )
         backend = LAUNCHERS[spec.launcher]
         procs = backend.processes(spec)
         if spec.launcher == "ssh" and spec.sync_dst_dir:
