@@ -85,13 +85,21 @@ class Message:
 def encode(msg: Message) -> list:
     """Frames for ``msg``: the header, the packed small arrays, then each big array's own
     buffer (not copied)."""
+    return encode_frames(msg)[0]
+
+
+def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
+    """Frames for ``msg``, and the frame map: ``{frame index: array index}`` for every frame
+    that is an array's own memory, not a copy. A sender ties each zero-copy tracker to the
+    array it names, so it knows which arrays ZeroMQ still reads."""
     if msg.kind not in SCHEMA:
         raise ProtocolError(f"unknown message kind {msg.kind!r}")
     specs, small, big = [], [], []
+    carried: dict[int, int] = {}
     packed_at = 0
     arrays = [_contiguous(a) for a in msg.arrays]
     has_small = any(a.nbytes < PACK_BELOW for a in arrays)
-    for a in arrays:
+    for index, a in enumerate(arrays):
         if a.nbytes < PACK_BELOW:
             pad = -packed_at % 8
             if pad:
@@ -101,8 +109,10 @@ def encode(msg: Message) -> list:
             small.append(a.tobytes() if a.ndim == 0 else memoryview(a).cast("B"))
             packed_at += a.nbytes
         else:
-            specs.append([a.dtype.str, list(a.shape), 1 + has_small + len(big), 0])
+            frame = 1 + has_small + len(big)
+            specs.append([a.dtype.str, list(a.shape), frame, 0])
             big.append(memoryview(a).cast("B"))
+            carried[frame] = index
     header = {
         "v": VERSION,
         "k": msg.kind,
@@ -111,7 +121,7 @@ def encode(msg: Message) -> list:
         "b": msg.body,
         "a": specs,
     }
-    return [msgpack.packb(header), *([b"".join(small)] if has_small else []), *big]
+    return [msgpack.packb(header), *([b"".join(small)] if has_small else []), *big], carried
 
 
 def _contiguous(array) -> np.ndarray:

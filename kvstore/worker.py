@@ -3,7 +3,7 @@
 The path of one ``kv.push``: :meth:`KVStore.push` checks the arguments against the initialised
 keys; :meth:`DistStore._push` sums the value's device arrays (on the device for
 ``dist_device_sync``), cuts the flat result into one slice per part (a big array has one part
-on every server, a small key one part on the server :func:`server_of` picks), and sends one
+on every server, a small key one part on one server: :mod:`kvstore.sharding`), and sends one
 message per server holding all of that server's slices, without copying them. The servers'
 replies are collected later: a pull of the same key waits for its round on the server.
 """
@@ -16,19 +16,20 @@ import logging
 import sys
 import time
 import weakref
-import zlib
 
 import msgpack
 import numpy as np
 import zmq
 
+from . import transport
 from .arrays import copy_into, namespace, reduce_sum, to_host
 from .config import Config, setup_logging
 from .control import Control, raise_for
 from .errors import KVStoreError
 from .memory import tune_allocator
 from .optimizer import Optimizer
-from .protocol import Message, ProtocolError, decode, encode
+from .protocol import Message, ProtocolError, decode
+from .sharding import place
 from .store import KVStore
 
 log = logging.getLogger("kvstore.worker")
@@ -45,13 +46,6 @@ def create_dist(kind: str) -> KVStore:
     setup_logging(cfg.verbose, "worker")
     tune_allocator()
     return DistStore(kind, cfg)
-
-
-def server_of(key, num_server: int) -> int:
-    """The server holding a small key: stable across processes and spread evenly."""
-    if isinstance(key, str):
-        return zlib.crc32(key.encode()) % num_server
-    return key % num_server
 
 
 class DistStore(KVStore):
@@ -105,29 +99,17 @@ class DistStore(KVStore):
     def num_workers(self) -> int:
         return self._num_workers
 
-    # ---- placement
-    def _place(self, key, size: int) -> list:
-        servers = len(self._servers)
-        if size >= self.cfg.bigarray_bound and servers > 1:
-            bounds = [size * i // servers for i in range(servers + 1)]
-            return [(i, i, bounds[i], bounds[i + 1]) for i in range(servers)]
-        return [(server_of(key, servers), 0, 0, size)]
-
     # ---- transport
     def _send(
         self, server: int, kind: str, body: dict, arrays=(), on_reply=None, trackers=None
     ) -> int:
         self._check_alive()
         msg_id = next(self._ids)
-        frames = encode(Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays)))
-        sock = self._sockets[server]
+        msg = Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays))
         try:
-            for i, frame in enumerate(frames):
-                big = i > 0 and memoryview(frame).nbytes >= zmq.COPY_THRESHOLD
-                flags = zmq.NOBLOCK | (zmq.SNDMORE if i < len(frames) - 1 else 0)
-                tracker = sock.send(frame, flags, copy=not big, track=big)
-                if big and trackers is not None:
-                    trackers.append(tracker)
+            sent = transport.send(self._sockets[server], msg)
+            if trackers is not None:
+                trackers.extend(s.tracker for s in sent)
         except zmq.Again:
             raise KVStoreError(
                 f"{kind}: cannot send to {self._server_name(server)}: its queue "
@@ -203,7 +185,9 @@ class DistStore(KVStore):
     # ---- the store operations
     def _init(self, items):
         for item in items:
-            self._layout[item.key] = self._place(item.key, item.values[0].size)
+            self._layout[item.key] = place(
+                item.key, item.values[0].size, len(self._servers), self.cfg.bigarray_bound
+            )
         if self._rank == 0:
             batches = self._batches(items, lambda item: self._flat(item.values[:1]))
             ids = [
@@ -327,7 +311,9 @@ class DistStore(KVStore):
             raise
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
-        """Send the optimizer (as a spec) to every server: rank 0 does, the others record it."""
+        """Send the optimizer (as a spec) to every server; return once they all hold it, so
+        that every push this worker makes afterwards is updated by it. Every worker sends
+        it (as in MXNet): a server keeps the state of an optimizer it already has."""
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
@@ -335,9 +321,8 @@ class DistStore(KVStore):
             )
         spec = optimizer.spec()
         self._optimizer = optimizer
-        if self._rank == 0:
-            ids = [self._send(s, "optimizer", {"spec": spec}) for s in range(len(self._servers))]
-            self._wait("set_optimizer", ids)
+        ids = [self._send(s, "optimizer", {"spec": spec}) for s in range(len(self._servers))]
+        self._wait("set_optimizer", ids)
 
     def set_updater(self, updater) -> None:
         raise ValueError(

@@ -58,10 +58,10 @@ def test_uneven_rounds_fail_at_once_naming_key_and_rank(cluster):
     codes = c.wait(workers, 30)
     assert codes == [3, 0], c.dump()
     out = c.output("worker0")
-    assert re.search(r"dist_sync round of key '[wb]' cannot complete", out), out
-    assert "worker rank(s) [1] finished (closed the store) without pushing it" in out, out
+    assert re.search(r"dist_sync round 5 of key '[wb]' can never complete", out), out
+    assert "worker 1 finished (closed its store) after 5 push(es) of it" in out, out
     after = float(out.split("KVStoreError after ")[1].split("s:")[0])
-    assert after < 30, out
+    assert after < 10, out  # at once: KVSTORE_ROUND_TIMEOUT (60s) would be a hang
 
 
 def test_round_and_barrier_deadlines(cluster):

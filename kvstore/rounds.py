@@ -1,0 +1,310 @@
+"""The rounds of every key on one server, without I/O: events in, actions out.
+
+A server feeds :class:`Rounds` what its workers ask (``push``, ``pull``), what the scheduler
+tells it (``finished``, ``joined``) and the time (``tick``); each call returns the actions to
+carry out, in order: :class:`Apply` a value to a stored key, :class:`Reply` to a request whose
+keys are all ready, :class:`Fail` a request. Nothing here reads a clock, draws a random number
+or touches a socket, so a standby that replays the same events reaches the same state, and the
+tests drive it with events alone (``tests/test_rounds.py``, against a sequential model).
+
+``dist_sync`` semantics, per key:
+
+- Each worker's pushes go to consecutive rounds: its n-th push of a key is in round n, however
+  far ahead of the others it runs. Round n completes when every worker has pushed it, or has
+  called ``join`` (it then counts as pushing zeros); the sum is then applied once.
+- A push is answered when its round completes.
+- A pull is answered once the key has completed as many rounds as this worker pushed it, so it
+  sees all of the worker's own pushes and never waits for anyone's future pushes.
+- A round that a finished worker never pushed, or that stays open past the round deadline, can
+  never complete correctly: every request that needs it fails, naming the cause.
+
+``dist_async``: a push is applied on arrival (:class:`Apply` with ``accumulate``) and
+answered; a pull is answered at once.
+
+>>> import numpy as np
+>>> r = Rounds(num_workers=2, round_timeout=60)
+>>> r.add_key("w")
+>>> r.push("a", 0, [("w", np.ones(2))], sync=True, now=0.0)
+[]
+>>> [type(a).__name__ for a in r.push("b", 1, [("w", np.ones(2))], sync=True, now=0.1)]
+['Apply', 'Reply', 'Reply']
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Store ``value`` under ``key``: with ``accumulate`` (an async push) add it to the stored
+    value (or run the updater on it); else it is a round's sum (assign, or run the updater).
+    ``value`` is the caller's from now on."""
+
+    key: Hashable
+    value: np.ndarray
+    accumulate: bool
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Every key of ``request`` is ready: answer it (a pull reads the stored values now)."""
+
+    request: Any
+
+
+@dataclass(frozen=True)
+class Fail:
+    request: Any
+    text: str
+
+
+@dataclass(eq=False)
+class _Key:
+    name: Hashable
+    pushed: list  # per worker rank: pushes received (the round its next push goes to)
+    done: int = 0  # rounds completed
+    count: int = 0  # pushes summed into the open round (round ``done``)
+    first: np.ndarray | None = None  # the open round's only push so far, uncopied
+    acc: np.ndarray | None = None  # the open round's sum once a second push came
+    spare: np.ndarray | None = None  # a buffer the caller gave back, to sum into
+    started: float = 0.0  # when the open round got its first push
+    queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [grad]
+    waiting: dict = field(default_factory=lambda: defaultdict(list))  # rounds done -> [request]
+    dead_from: int | None = None  # rounds from this one on can never complete
+    dead_why: str = ""
+
+
+class Rounds:
+    """The sync and async round state of every key of one server."""
+
+    def __init__(self, num_workers: int, round_timeout: float, describe=repr):
+        self.num_workers = num_workers
+        self.round_timeout = round_timeout
+        self.describe = describe  # a key's name in error messages
+        self.keys: dict[Hashable, _Key] = {}
+        self.finished_ranks: set[int] = set()
+        self.joined_ranks: set[int] = set()
+        self._open: set[Hashable] = set()  # keys with a sync round under way
+        self._requests: dict[Any, int] = {}  # request -> keys it still waits for
+
+    # ---- keys
+    def add_key(self, key: Hashable) -> None:
+        if key in self.keys:
+            raise ValueError(f"key {key!r} is already initialised")
+        self.keys[key] = _Key(key, [0] * self.num_workers)
+
+    def give_back(self, key: Hashable, buffer: np.ndarray) -> None:
+        """Offer a writable buffer that nobody reads any more (e.g. the value an
+        :class:`Apply` replaced) for the key's next sum."""
+        state = self.keys.get(key)
+        if state is not None and buffer.flags.writeable:
+            state.spare = buffer
+
+    # ---- events
+    def push(self, request, rank: int, grads: list, sync: bool, now: float) -> list:
+        """``grads``: ``[(key, array)]``, the keys known and the arrays checked by the caller."""
+        actions: list = []
+        self._requests[request] = len(grads)
+        for key, grad in grads:
+            state = self.keys[key]
+            if not sync:
+                actions.append(Apply(key, grad, accumulate=True))
+                self._key_ready(request, actions)
+                continue
+            if rank in self.joined_ranks:
+                self._fail(
+                    request,
+                    f"worker {rank} pushed key {self.describe(key)} after join(): a worker "
+                    "that joined pushes nothing until every worker has joined",
+                    actions,
+                )
+                continue
+            n = state.pushed[rank]
+            state.pushed[rank] = n + 1
+            if self._check_finished(state):
+                self._fail_dead(state, actions)
+            if state.dead_from is not None and n >= state.dead_from:
+                self._fail(request, state.dead_why, actions)
+                continue
+            state.waiting[n + 1].append(request)
+            if n == state.done:
+                self._add(state, grad, now)
+            else:
+                state.queued[n].append(grad)
+            self._advance(state, now, actions)
+        return actions
+
+    def pull(self, request, rank: int, keys: list) -> list:
+        """A pull waits, per key, for the rounds this worker has pushed."""
+        actions: list = []
+        self._requests[request] = len(keys)
+        for key in keys:
+            state = self.keys[key]
+            need = state.pushed[rank]
+            if state.done >= need:
+                self._key_ready(request, actions)
+            elif state.dead_from is not None and need > state.dead_from:
+                self._fail(request, state.dead_why, actions)
+            else:
+                state.waiting[need].append(request)
+        return actions
+
+    def finished(self, rank: int) -> list:
+        """Worker ``rank`` closed its store: it will never push again."""
+        actions: list = []
+        self.finished_ranks.add(rank)
+        for state in self.keys.values():
+            if self._check_finished(state):
+                self._fail_dead(state, actions)
+        return actions
+
+    def joined(self, rank: int, now: float) -> list:
+        """Worker ``rank`` is out of data: it counts as pushing zeros into every round until
+        every worker has joined."""
+        actions: list = []
+        self.joined_ranks.add(rank)
+        for key in list(self._open):
+            self._advance(self.keys[key], now, actions)
+        if len(self.joined_ranks) == self.num_workers:
+            # Everyone is out of data: the rounds a worker skipped count as pushed, and the
+            # next epoch starts even.
+            self.joined_ranks.clear()
+            for state in self.keys.values():
+                state.pushed = [max(n, state.done) for n in state.pushed]
+        return actions
+
+    def tick(self, now: float) -> list:
+        """Fail the rounds open longer than the round deadline."""
+        actions: list = []
+        for key in list(self._open):
+            state = self.keys[key]
+            if now - state.started <= self.round_timeout:
+                continue
+            missing = self._missing(state)
+            self._kill(
+                state,
+                state.done,
+                f"dist_sync round {state.done} of key {self.describe(key)} timed out after "
+                f"{self.round_timeout:g}s (KVSTORE_ROUND_TIMEOUT): worker rank(s) {missing} "
+                f"did not push it; rank(s) {self._present(state)} did",
+                actions,
+            )
+        return actions
+
+    def fail_all(self, text: str) -> list:
+        """The job failed: fail every request still waiting."""
+        actions: list = []
+        for request in list(self._requests):
+            self._fail(request, text, actions)
+        return actions
+
+    # ---- what is waiting (for stall reports)
+    def open_rounds(self, now: float) -> list:
+        """``(key, round, seconds open, ranks missing)`` for every open round."""
+        return [
+            (key, self.keys[key].done, now - self.keys[key].started, self._missing(self.keys[key]))
+            for key in sorted(self._open, key=repr)
+        ]
+
+    # ---- internals
+    def _add(self, state: _Key, grad: np.ndarray, now: float) -> None:
+        if state.count == 0:
+            state.first, state.started = grad, now
+            self._open.add(state.name)
+        elif state.count == 1:
+            acc = state.spare
+            if acc is None or acc.shape != grad.shape or acc.dtype != grad.dtype:
+                acc = np.empty_like(grad)
+            state.spare = None
+            np.add(state.first, grad, out=acc)
+            state.acc, state.first = acc, None
+        else:
+            np.add(state.acc, grad, out=state.acc)
+        state.count += 1
+
+    def _complete(self, state: _Key) -> bool:
+        if state.count == 0:
+            return False
+        return all(
+            n > state.done or rank in self.joined_ranks for rank, n in enumerate(state.pushed)
+        )
+
+    def _advance(self, state: _Key, now: float, actions: list) -> None:
+        while self._complete(state) and (state.dead_from is None or state.done < state.dead_from):
+            total = state.first if state.count == 1 else state.acc
+            state.first = state.acc = None
+            state.count = 0
+            self._open.discard(state.name)
+            actions.append(Apply(state.name, total, accumulate=False))
+            state.done += 1
+            for request in state.waiting.pop(state.done, ()):
+                self._key_ready(request, actions)
+            for grad in state.queued.pop(state.done, ()):
+                self._add(state, grad, now)
+
+    def _missing(self, state: _Key) -> list:
+        return [
+            r for r, n in enumerate(state.pushed) if n <= state.done and r not in self.joined_ranks
+        ]
+
+    def _present(self, state: _Key) -> list:
+        return [r for r, n in enumerate(state.pushed) if n > state.done]
+
+    def _check_finished(self, state: _Key) -> bool:
+        """Mark the rounds a finished worker never pushed as dead; True if that is new."""
+        gone = [
+            (n, r)
+            for r, n in enumerate(state.pushed)
+            if r in self.finished_ranks and r not in self.joined_ranks
+        ]
+        if not gone:
+            return False
+        limit, rank = min(gone)
+        if max(state.pushed) <= limit or (state.dead_from is not None and state.dead_from <= limit):
+            return False  # nobody waits on a round the finished worker skipped
+        state.dead_from = limit
+        state.dead_why = (
+            f"dist_sync round {limit} of key {self.describe(state.name)} can never complete: "
+            f"worker {rank} finished (closed its store) after {limit} push(es) of it, while "
+            f"rank(s) {[r for r, n in enumerate(state.pushed) if n > limit]} pushed more. Every "
+            "worker must push each key the same number of times; a worker out of data calls join()"
+        )
+        return True
+
+    def _kill(self, state: _Key, from_round: int, why: str, actions: list) -> None:
+        if state.dead_from is None or from_round < state.dead_from:
+            state.dead_from, state.dead_why = from_round, why
+        self._fail_dead(state, actions)
+
+    def _fail_dead(self, state: _Key, actions: list) -> None:
+        """Fail every request that waits for a round at or after ``dead_from``."""
+        for rounds_done in sorted(state.waiting):
+            if rounds_done > state.dead_from:
+                for request in state.waiting.pop(rounds_done):
+                    self._fail(request, state.dead_why, actions)
+        for n in [n for n in state.queued if n >= state.dead_from]:
+            del state.queued[n]
+        if state.done >= state.dead_from:
+            state.first = state.acc = None
+            state.count = 0
+            self._open.discard(state.name)
+
+    def _key_ready(self, request, actions: list) -> None:
+        left = self._requests.get(request)
+        if left is None:  # failed already
+            return
+        if left == 1:
+            del self._requests[request]
+            actions.append(Reply(request))
+        else:
+            self._requests[request] = left - 1
+
+    def _fail(self, request, text: str, actions: list) -> None:
+        if self._requests.pop(request, None) is not None:
+            actions.append(Fail(request, text))

@@ -1,0 +1,57 @@
+"""Sending a message without copying its arrays, and knowing when ZeroMQ is done with them.
+
+Workers and servers send through :func:`send`. Each array of at least :data:`COPY_BELOW`
+bytes goes out as its own frame straight from the array's memory; :func:`send` returns a
+:class:`Sent` per such array: the index of the array in the message and the ZeroMQ tracker
+that reports when its memory is no longer read. The protocol's frame map ties trackers to
+arrays, never their positions. Whoever changes an array
+that a send still reads must write elsewhere instead (a server) or wait (a worker reusing the
+caller's buffer).
+
+Sends never block: when the peer's queue is full, ``zmq.Again`` is raised and nothing was
+sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import zmq
+
+from .protocol import Message, encode_frames
+
+# Below this a copy is cheaper than tracking a zero-copy frame, and needs no tracker.
+COPY_BELOW = zmq.COPY_THRESHOLD
+
+
+@dataclass(frozen=True)
+class Sent:
+    array: int  # index of the array in the message
+    tracker: zmq.MessageTracker
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.done
+
+
+def send(sock: zmq.Socket, msg: Message, route: bytes | None = None) -> list[Sent]:
+    """Send ``msg`` (to ``route`` on a ROUTER socket) without blocking or copying big arrays."""
+    frames, carried = encode_frames(msg)
+    last = len(frames) - 1
+    if route is not None:
+        sock.send(route, zmq.NOBLOCK | zmq.SNDMORE)
+    sent = []
+    for i, frame in enumerate(frames):
+        flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
+        index = carried.get(i)
+        if index is None or memoryview(frame).nbytes < COPY_BELOW:
+            sock.send(frame, flags)
+            continue
+        tracker = sock.send(frame, flags, copy=False, track=True)
+        sent.append(Sent(index, tracker))
+    return sent
+
+
+def pending(sent: list[Sent]) -> list[Sent]:
+    """The sends in ``sent`` whose memory ZeroMQ still reads."""
+    return [s for s in sent if not s.tracker.done]

@@ -1,0 +1,34 @@
+"""Placement of keys on servers: every element of a key lands in exactly one part."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.sharding import place, server_of
+
+keys = st.one_of(st.integers(0, 2**40), st.text(max_size=20))
+
+
+@given(keys, st.integers(0, 10_000), st.integers(1, 9), st.integers(1, 5_000))
+def test_parts_cover_the_key_once(key, size, num_server, bound):
+    parts = place(key, size, num_server, bound)
+    assert parts[0][2] == 0 and parts[-1][3] == size
+    for (_, _, _, hi), (_, _, lo, _) in zip(parts, parts[1:], strict=False):
+        assert hi == lo  # contiguous, no gap, no overlap
+    assert all(0 <= server < num_server for server, *_ in parts)
+    if size >= bound and num_server > 1:
+        assert [p[0] for p in parts] == [p[1] for p in parts] == list(range(num_server))
+        lengths = [hi - lo for _, _, lo, hi in parts]
+        assert max(lengths) - min(lengths) <= 1  # an equal share for every server
+    else:
+        assert parts == [(server_of(key, num_server), 0, 0, size)]
+
+
+@given(keys, st.integers(1, 9))
+def test_a_small_key_has_one_home_in_every_process(key, num_server):
+    assert server_of(key, num_server) == server_of(key, num_server)
+    assert 0 <= server_of(key, num_server) < num_server
+
+
+def test_str_keys_are_placed_by_a_stable_hash_not_python_hash():
+    # crc32, fixed across runs, processes and machines (Python's str hash is salted)
+    assert [server_of(k, 4) for k in ("w", "b", "layer0.w", "x")] == [2, 1, 0, 3]
