@@ -66,6 +66,12 @@ class Scheduler:
         self.started = time.monotonic()
         self.ready = False
         self.barriers: dict[str, dict] = {}  # group -> {"ids": {identity: request id}, "t0"}
+        # kind -> handler(node, msg) for registered nodes; may return the exit status
+        self.handlers = {
+            "heartbeat": self._on_heartbeat,
+            "barrier": self._barrier,
+            "finalize": self._finalize,
+        }
 
     def close(self) -> None:
         self.sock.close()
@@ -125,23 +131,24 @@ class Scheduler:
             node.last_seen = time.monotonic()
         if msg.kind == "register":
             self._register(identity, msg)
-        elif node is None:
+            return None
+        if node is None:
             self._error(
                 identity,
                 msg,
                 f"scheduler: {msg.kind} from an unregistered node {msg.sender!r}; register first",
             )
-        elif msg.kind == "heartbeat":
-            if self.cfg.verbose:
-                log.info("heartbeat from %s", node.name)
-            self._send(identity, Message("heartbeat", msg.id, "scheduler"))
-        elif msg.kind == "barrier":
-            self._barrier(node, msg)
-        elif msg.kind == "finalize":
-            return self._finalize(node, msg)
-        else:
+            return None
+        handler = self.handlers.get(msg.kind)
+        if handler is None:
             self._error(identity, msg, f"scheduler: unexpected {msg.kind} from {node.name}")
-        return None
+            return None
+        return handler(node, msg)
+
+    def _on_heartbeat(self, node: Node, msg: Message) -> None:
+        if self.cfg.verbose:
+            log.info("heartbeat from %s", node.name)
+        self._send(node.identity, Message("heartbeat", msg.id, "scheduler"))
 
     def _register(self, identity: bytes, msg: Message) -> None:
         b = msg.body

@@ -38,8 +38,13 @@ def test_pushpull_benchmark_smoke():
         for size in ("4K", "256K", "20x1K"):
             assert (config, size) in seen, (config, size, seen)
     assert ("numpy copy", "64M") in seen
-    assert all(r["min"] <= r["median"] <= r["max"] and r["median"] > 0 for r in rows)
-    assert "vs zmq" in done.stdout
+    for r in rows:  # the unit the size implies, a positive rate, as many samples as asked
+        assert r["unit"] == ("steps/s" if "x" in r["size"] else "B/s"), r
+        assert r["median"] > 0 and 1 <= r["n"] <= 3 or r["config"].startswith("numpy"), r
+    table = done.stdout.split("vs zmq", 1)[1]
+    for config in ("kvstore dist_sync", "kvstore dist_async"):  # a ratio to the bound per row
+        ratios = [line.split()[-1] for line in table.splitlines() if line.split("  ")[0] == config]
+        assert len(ratios) == 3 and all(x.endswith("%") and float(x[:-1]) > 0 for x in ratios)
 
 
 def test_zmq_bound_smoke():

@@ -15,18 +15,22 @@ def test_sync_rounds_sum(cluster, num_server, num_worker):
 @pytest.mark.parametrize("num_server,num_worker", [(1, 2), (2, 4)])
 def test_sync_rounds_sgd_str_keys(cluster, num_server, num_worker):
     c = cluster(num_server, num_worker, KVSTORE_BIGARRAY_BOUND=2000)
-    c.run_workers("rounds.py", ["dist_sync", 4, "sgd", "str"])
+    outs = c.run_workers("rounds.py", ["dist_sync", 4, "sgd", "str"])
+    assert sorted(o.split("rank ")[1][0] for o in outs) == [str(r) for r in range(num_worker)]
+    assert all("OK after 4 rounds" in o for o in outs)
 
 
 def test_device_sync(cluster):
     c = cluster(2, 2, KVSTORE_BIGARRAY_BOUND=2000)
-    c.run_workers("rounds.py", ["dist_device_sync", 3, "sgd", "int"])
+    outs = c.run_workers("rounds.py", ["dist_device_sync", 3, "sgd", "int"])
+    assert all("OK after 3 rounds" in o for o in outs), outs
 
 
 @pytest.mark.parametrize("num_server,num_worker", [(1, 2), (2, 4)])
 def test_async_no_lost_update(cluster, num_server, num_worker):
     c = cluster(num_server, num_worker, KVSTORE_BIGARRAY_BOUND=2000)
-    c.run_workers("async_sum.py", [30])
+    outs = c.run_workers("async_sum.py", [30])
+    assert all(" OK" in o for o in outs), outs
 
 
 def test_ps_verbose_levels(cluster):
@@ -45,4 +49,5 @@ def test_ps_verbose_levels(cluster):
 
 def test_scheduler_address_given_as_a_name(cluster):
     c = cluster(1, 2, DMLC_PS_ROOT_URI="localhost")
-    c.run_workers("loop.py", [2])
+    outs = c.run_workers("loop.py", [2])
+    assert all("round 1" in o for o in outs), outs
