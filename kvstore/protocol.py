@@ -52,6 +52,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "node_failed": {"node": (str,), "reason": (str,)},
     "shutdown": {},
     "worker_done": {"rank": (int,)},
+    "join": {},
+    "worker_joined": {"rank": (int,)},
+    "joined_ack": {"rank": (int,)},
+    "join_done": {"last": (int,)},
     # worker <-> server
     "init": {"keys": (list,)},
     "push": {"keys": (list,)},

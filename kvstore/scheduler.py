@@ -71,7 +71,11 @@ class Scheduler:
             "heartbeat": self._on_heartbeat,
             "barrier": self._barrier,
             "finalize": self._finalize,
+            "join": self._on_join,
+            "joined_ack": self._on_joined_ack,
         }
+        self.joined: dict[int, bytes] = {}  # worker rank -> its join request, in join order
+        self.join_acks = 0  # servers' acks of the joins so far
 
     def close(self) -> None:
         self.sock.close()
@@ -149,6 +153,35 @@ class Scheduler:
         if self.cfg.verbose:
             log.info("heartbeat from %s", node.name)
         self._send(node.identity, Message("heartbeat", msg.id, "scheduler"))
+
+    def _on_join(self, node: Node, msg: Message) -> None:
+        if node.role != "worker" or node.rank in self.joined:
+            return self._error(node.identity, msg, f"scheduler: unexpected join from {node.name}")
+        self.joined[node.rank] = msg.id
+        if self.cfg.verbose:
+            log.info("join: %s (%d/%d)", node.name, len(self.joined), self.cfg.num_worker)
+        joined = Message("worker_joined", 0, "scheduler", {"rank": node.rank})
+        self._broadcast(joined, roles=("server",))
+        self._barrier_check()  # a joined worker counts as arrived in a worker barrier
+
+    def _on_joined_ack(self, node: Node, msg: Message) -> None:
+        self.join_acks += 1
+        self._join_check()
+
+    def _join_check(self) -> None:
+        """Let the joined workers go once every worker has joined or finished, and every
+        server has taken note of every join."""
+        if not self.joined or self.join_acks < len(self.joined) * self.cfg.num_server:
+            return
+        workers = {n.rank: n for n in self.nodes.values() if n.role == "worker"}
+        if any(r not in self.joined and not n.finalized for r, n in workers.items()):
+            return
+        last = list(self.joined)[-1]
+        for rank, req_id in self.joined.items():
+            self._send(
+                workers[rank].identity, Message("join_done", req_id, "scheduler", {"last": last})
+            )
+        self.joined, self.join_acks = {}, 0
 
     def _register(self, identity: bytes, msg: Message) -> None:
         b = msg.body
@@ -252,18 +285,41 @@ class Scheduler:
             )
         state = self.barriers.setdefault(group, {"ids": {}, "t0": time.monotonic()})
         state["ids"][node.identity] = msg.id
-        size = sum(n.role in _GROUPS[group] for n in self.nodes.values())
         if self.cfg.verbose:
-            log.info("barrier(%s): %s arrived (%d/%d)", group, node.name, len(state["ids"]), size)
-        if len(state["ids"]) == size:
-            del self.barriers[group]
-            for identity, req_id in state["ids"].items():
-                self._send(identity, Message("barrier_done", req_id, "scheduler", {"group": group}))
+            log.info("barrier(%s): %s arrived (%d)", group, node.name, len(state["ids"]))
+        self._barrier_check()
+
+    def _barrier_check(self) -> None:
+        """Complete the barriers every member has reached (a joined worker counts as there);
+        fail at once those a finished member can never reach."""
+        joined = {
+            n.identity for n in self.nodes.values() if n.role == "worker" and n.rank in self.joined
+        }
+        for group, state in list(self.barriers.items()):
+            members = [n for n in self.nodes.values() if n.role in _GROUPS[group]]
+            absent = [n for n in members if n.identity not in state["ids"]]
+            gone = [n.name for n in absent if n.finalized]
+            if gone:
+                del self.barriers[group]
+                for identity, req_id in state["ids"].items():
+                    self._error(
+                        identity,
+                        Message("barrier", req_id),
+                        f"barrier({group}): {', '.join(gone)} finished (closed its store) "
+                        "without reaching this barrier, so it can never complete",
+                    )
+            elif all(n.identity in joined for n in absent):
+                del self.barriers[group]
+                for identity, req_id in state["ids"].items():
+                    done = Message("barrier_done", req_id, "scheduler", {"group": group})
+                    self._send(identity, done)
 
     def _finalize(self, node: Node, msg: Message) -> int | None:
         node.finalized = True
         self._send(node.identity, Message("ack", msg.id, "scheduler"))
         log.info("%s finished", node.name)
+        self._barrier_check()  # a barrier this node never reached fails now, not at a deadline
+        self._join_check()
         if node.role == "worker":  # its servers can fail rounds it will never join, at once
             done = Message("worker_done", 0, "scheduler", {"rank": node.rank})
             self._broadcast(done, roles=("server",))

@@ -90,6 +90,7 @@ class Server:
         }
         self.control_handlers = {
             "worker_done": self._on_worker_done,
+            "worker_joined": self._on_worker_joined,
             "node_failed": self._on_node_failed,
             "shutdown": self._on_shutdown,
         }
@@ -137,6 +138,13 @@ class Server:
     # ---- the scheduler's notices
     def _on_worker_done(self, msg: Message) -> None:
         self._execute(self.rounds.finished(msg.body["rank"]))
+
+    def _on_worker_joined(self, msg: Message) -> None:
+        """The scheduler waits for this ack before it lets the workers leave ``join``, so no
+        push of the next epoch can arrive before the join it follows."""
+        rank = msg.body["rank"]
+        self._execute(self.rounds.joined(rank, time.monotonic()))
+        self.control.send("joined_ack", {"rank": rank})
 
     def _on_node_failed(self, msg: Message) -> int:
         text = f"{msg.body['node']} failed: {msg.body['reason']}"

@@ -92,6 +92,16 @@ class KVStore:
     def barrier(self) -> None:
         """Wait until every worker reaches this point (a no-op in one process)."""
 
+    def join(self) -> int:
+        """Call when this worker is out of data (Horovod's ``hvd.join``): until every worker
+        has joined, it counts as pushing zeros into every ``dist_sync`` round, so the others
+        train on. Returns the rank of the last worker to join (0 in one process).
+
+        >>> kvstore.create('local').join()  # doctest: +SKIP
+        0
+        """
+        return 0
+
     def close(self) -> None:
         """Release resources; a distributed store also tells the scheduler it is done."""
 

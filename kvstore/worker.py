@@ -310,6 +310,18 @@ class DistStore(KVStore):
             self._failure = str(exc)
             raise
 
+    def join(self) -> int:
+        """Out of data: wait until this worker's pushes are done, then count as pushing zeros
+        into every round until all workers have joined; return the last rank to join."""
+        self._wait("join")
+        self._control.send("join")
+        try:
+            done = self._control.wait("join", ("join_done",), self.cfg.request_timeout)
+        except KVStoreError as exc:
+            self._failure = str(exc)
+            raise
+        return done.body["last"]
+
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Send the optimizer (as a spec) to every server; return once they all hold it, so
         that every push this worker makes afterwards is updated by it. Every worker sends

@@ -94,3 +94,12 @@ def test_frozen_worker_is_declared_dead_within_the_heartbeat_timeout(cluster, tm
     assert "worker 1 (127.0.0.1" in out and "sent no heartbeat" in out, out
     after = float(out.split("FAILED after ")[1].split("s:")[0])
     assert after < 15, out  # the heartbeat timeout (3s) plus slack, far below 40s
+
+
+@pytest.mark.parametrize("num_server,num_worker", [(1, 2), (2, 3)])
+def test_join_lets_workers_with_more_data_train_on(cluster, num_server, num_worker):
+    c = cluster(num_server, num_worker, **BOUND)
+    outs = c.run_workers("uneven.py", [num_worker], timeout=90)
+    assert all(" OK" in o for o in outs), outs
+    last = {o.split("last to join: ")[1].split()[0] for o in outs}
+    assert last == {str(num_worker - 1)}, outs  # the rank with the most batches joins last
