@@ -313,7 +313,55 @@ class RMSProp(Optimizer):
         weight += delta
 
 
-_OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, AdaGrad, RMSProp)}
+class BlockMomentum(Optimizer):
+    """The outer step of block momentum (BMUF, Chen & Huo 2016; CNTK's block momentum).
+
+    The workers push block pseudo-gradients ``w_start - w_local`` (see :mod:`kvstore.block`);
+    with ``rescale_grad = 1 / num_workers``, ``G = -(clip(rescale_grad * sum) + wd * w)`` is
+    the mean of the workers' deltas ``w_local - w_start``. Then ``delta = momentum * delta +
+    lr * G`` and ``w += delta``. The stored value, which the workers pull and start their
+    next block from, is the Nesterov look-ahead ``w + momentum * delta`` with ``nesterov``
+    (state ``(delta, w)``), else ``w`` itself (state ``(delta,)``).
+
+    The server keeps ``w`` and ``delta`` and hands out the look-ahead it computed, so every
+    worker starts from the same bytes and the optimizer states carry all of it. Without
+    ``nesterov`` this is :class:`SGD` with ``momentum``, formula for formula.
+
+    >>> opt = BlockMomentum(learning_rate=1.0, momentum=0.5, rescale_grad=0.5)
+    >>> w = np.zeros(1, np.float32); up = Updater(opt)
+    >>> up(0, np.full(1, -2.0, np.float32), w); w  # G = 1: delta = 1, w = 1, look-ahead 1.5
+    array([1.5], dtype=float32)
+    """
+
+    name = "block_momentum"
+    _extra = ("momentum", "nesterov")
+
+    def __init__(
+        self, learning_rate: float = 1.0, momentum: float = 0.0, nesterov: bool = True, **kwargs
+    ):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"BlockMomentum: momentum must be in [0, 1), got {momentum}")
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+
+    def create_state(self, weight):
+        delta = namespace(weight).zeros_like(weight)
+        # the first stored value is w itself: delta is 0, so the look-ahead is w
+        return (delta, weight.copy()) if self.nesterov else (delta,)
+
+    def update(self, weight, grad, state, lr, t):
+        f = weight.dtype.type
+        delta = state[0]
+        model = state[1] if self.nesterov else weight
+        g = self.prepare_grad(grad, model, with_wd=True)  # -G: the mean pseudo-gradient
+        delta *= f(self.momentum)
+        delta -= f(lr) * g
+        model += delta
+        if self.nesterov:
+            weight[...] = model + f(self.momentum) * delta
+
+
+_OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, AdaGrad, RMSProp, BlockMomentum)}
 
 
 def create(name: str, **params) -> Optimizer:
