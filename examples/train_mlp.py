@@ -13,6 +13,12 @@ as PyTorch's DistributedSampler), computes the mean gradient of its batch (split
 ``--num-devices`` device arrays, reduced by the store as MXNet's multi-device training does)
 and pushes it; the optimizer divides the sum by the number of workers (``rescale_grad``). So
 W workers with batch B take exactly the steps one process takes with batch W x B.
+
+With ``--block-size N`` (block momentum, CNTK's BMUF) each worker instead trains its own copy
+with the local optimizer and exchanges the model once every N samples (counted over all
+workers, as CNTK): the servers apply the outer block-momentum step (``kvstore.block``)::
+
+    python launch.py -n 4 -s 1 python examples/train_mlp.py --kv-store dist_sync --block-size 1024
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 
 import kvstore
 from kvstore.arrays import cupy, namespace, to_host
+from kvstore.block import BlockTrainer, block_momentum
 
 PARAMS = ("w1", "b1", "w2", "b2")
 
@@ -66,6 +73,28 @@ def parse_args(argv=None):
     p.add_argument("--compression-threshold", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--save-weights", help="rank 0 writes the final weights here (.npz)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="block momentum (BMUF): exchange the model every N samples, counted over all "
+        "workers (CNTK's block_size); 0: exchange gradients every step",
+    )
+    p.add_argument(
+        "--block-momentum",
+        type=float,
+        default=None,
+        help="the outer momentum eta (default 1 - 1/workers, as CNTK)",
+    )
+    p.add_argument("--block-lr", type=float, default=1.0, help="the outer learning rate zeta")
+    p.add_argument(
+        "--no-nesterov", action="store_true", help="start blocks from w, not w + eta * delta"
+    )
+    p.add_argument(
+        "--no-momentum-reset",
+        action="store_true",
+        help="keep the local optimizer's momentum across blocks (CNTK resets it)",
+    )
     return p.parse_args(argv)
 
 
@@ -141,6 +170,40 @@ def make_optimizer(args, num_workers: int):
     return kvstore.optimizer.create(args.optimizer, **common)
 
 
+def make_block_optimizers(args, num_workers: int):
+    """The worker's local optimizer (on its own batch means) and the servers' outer one."""
+    local = make_optimizer(args, num_workers)
+    local.rescale_grad = 1.0  # this worker's mean gradient, nobody else's
+    outer = block_momentum(
+        num_workers,
+        momentum=args.block_momentum,
+        learning_rate=args.block_lr,
+        nesterov=not args.no_nesterov,
+    )
+    return local, outer
+
+
+def block_state_path(directory: str, rank: int, step: int) -> str:
+    return os.path.join(directory, f"block-rank{rank}-step{step}.state")
+
+
+def save_block_checkpoint(directory: str, kv, trainer, epoch: int, step: int) -> None:
+    """Every worker's block state (its own model, mid-block), then rank 0 commits: the
+    servers' state (w and delta) and the block start, which the servers store."""
+    os.makedirs(directory, exist_ok=True)
+    trainer.save(block_state_path(directory, kv.rank, step))
+    kv.barrier()  # every worker's state is on disk before the commit names this step
+    if kv.rank == 0:
+        save_checkpoint(directory, kv, trainer.start, epoch, step)
+    # The commit before this one is done (rank 0 made it before this barrier): older
+    # states are no longer needed.
+    mine = f"block-rank{kv.rank}-step"
+    names = [n for n in os.listdir(directory) if n.startswith(mine) and n.endswith(".state")]
+    steps = sorted(int(n[len(mine) : -len(".state")]) for n in names)
+    for old in steps[:-2]:
+        os.remove(block_state_path(directory, kv.rank, old))
+
+
 def save_checkpoint(directory: str, kv, params: dict, epoch: int, step: int) -> None:
     os.makedirs(directory, exist_ok=True)
     states = os.path.join(directory, "optimizer.states")
@@ -176,13 +239,17 @@ def main(argv=None) -> int:
         if args.gradient_compression == "2bit":
             params_c["threshold"] = args.compression_threshold
         kv.set_gradient_compression(params_c)
-    optimizer = make_optimizer(args, workers)
+    if args.block_size:
+        optimizer, outer = make_block_optimizers(args, workers)
+    else:
+        optimizer = outer = make_optimizer(args, workers)
     slice_devices = devices(args.num_devices)
     global_batch = args.batch_size * workers
     steps_per_epoch = len(y_train) // global_batch
 
     def train_batch(store, batch_x, batch_y, split):
-        """One step: gradients per device slice, pushed and pulled through ``store``."""
+        """One step: gradients per device slice, pushed and pulled through ``store`` (or,
+        for a :class:`BlockTrainer`, summed here and applied locally)."""
         loss = correct = 0
         per_device = {k: [] for k in PARAMS}
         for xs, ys, dev in zip(
@@ -196,6 +263,9 @@ def main(argv=None) -> int:
             loss, correct = loss + l, correct + c
             for k in PARAMS:  # the batch mean: the scale 2-bit compression's threshold expects
                 per_device[k].append(g[k] / len(batch_y))
+        if isinstance(store, BlockTrainer):
+            store.step({k: sum(to_host(g) for g in per_device[k]) for k in PARAMS}, len(batch_y))
+            return loss, correct
         outs = [params[k] for k in PARAMS]
         store.pushpull(list(PARAMS), [per_device[k] for k in PARAMS], out=outs)
         return loss, correct
@@ -214,11 +284,18 @@ def main(argv=None) -> int:
             step += 1
         print(f"rank {rank}: {args.warmup_steps} warm-up steps done; synchronising", flush=True)
 
-    kv.set_optimizer(optimizer)
+    kv.set_optimizer(outer)
     kv.init(list(PARAMS), [params[k] for k in PARAMS])
     if args.resume and rank == 0:  # the servers hold one copy of the state: load it once
         kv.load_optimizer_states(os.path.join(args.checkpoint_dir, "optimizer.states"))
     kv.barrier()
+    store = kv
+    if args.block_size:
+        store = BlockTrainer(
+            kv, params, optimizer, args.block_size, reset_momentum=not args.no_momentum_reset
+        )
+        if args.resume:  # this worker's model and local state, in the middle of its block
+            store.load(block_state_path(args.checkpoint_dir, rank, step))
 
     for epoch in range(first_epoch, args.epochs):
         order = np.random.default_rng(args.seed + 1 + epoch).permutation(len(y_train))
@@ -228,7 +305,7 @@ def main(argv=None) -> int:
             if args.max_steps and step >= args.max_steps:
                 break
             idx = mine[s * args.batch_size : (s + 1) * args.batch_size]
-            loss, correct = train_batch(kv, x_train[idx], y_train[idx], args.num_devices)
+            loss, correct = train_batch(store, x_train[idx], y_train[idx], args.num_devices)
             total_loss, total_correct, seen = (
                 total_loss + loss,
                 total_correct + correct,
@@ -242,12 +319,26 @@ def main(argv=None) -> int:
                 f"{total_correct / seen:.4f} {seen * workers / elapsed:.0f} samples/s",
                 flush=True,
             )
-        if args.checkpoint_dir and rank == 0:
+        if args.checkpoint_dir and args.block_size:
+            save_block_checkpoint(args.checkpoint_dir, kv, store, epoch, step)
+            print(f"rank {rank}: checkpoint saved for epoch {epoch}", flush=True)
+        elif args.checkpoint_dir and rank == 0:
             save_checkpoint(args.checkpoint_dir, kv, params, epoch, step)
             print(f"rank {rank}: checkpoint saved for epoch {epoch}", flush=True)
         if args.max_steps and step >= args.max_steps:
             break
 
+    if args.block_size:
+        store.finish()  # the last, partial block: every worker ends with the same model
+        pushes = store.blocks
+    else:
+        pushes = step - min(step, args.warmup_steps)
+    samples = (step - min(step, args.warmup_steps)) * args.batch_size
+    print(
+        f"rank {rank}: {pushes} pushes of the model for {samples} samples "
+        f"({pushes / max(samples, 1):.4f} per sample)",
+        flush=True,
+    )
     accuracy = evaluate({k: to_host(v) for k, v in params.items()}, x_test, y_test)
     print(f"rank {rank}: test accuracy {accuracy:.4f} after {step} steps", flush=True)
     if args.save_weights and rank == 0:

@@ -1,12 +1,19 @@
 """Block momentum (BMUF) and local SGD: exact against a plain simulation, accurate, resumable."""
 
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from kvstore import optimizer as opt
 from kvstore.block import BlockTrainer, block_momentum
+
+from .cluster import ROOT
+from .test_examples import FAST, MLP, assert_same, final_accuracy, run_launch
 
 # ---------------------------------------------------------------- the plain simulation
 
@@ -152,3 +159,73 @@ def test_block_trainer_one_process_is_local_sgd(tmp_path):
     np.testing.assert_array_equal(other.params["w"], params["w"])
     with pytest.raises(ValueError, match="block_size"):
         BlockTrainer(kv, params, opt.SGD(), block_size=0)
+
+
+# ---------------------------------------------------------------- the example, for real
+
+
+def pushes_per_sample(out: str) -> float:
+    """From rank 0's "N pushes of the model for M samples" line."""
+    words = out.split(" pushes of the model for ")
+    return int(words[0].split()[-1]) / int(words[1].split()[0])
+
+
+# 4x fewer exchanges than dist_sync at both sizes (a block is 4 steps of each worker)
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,block_size", [(2, 256), (4, 512)])
+def test_example_block_momentum_accuracy(tmp_path, workers, block_size):
+    args = ["--kv-store", "dist_sync", "--epochs", 10]
+    _, plain = run_launch(tmp_path, workers, 1, *args, name="plain.npz")
+    _, block = run_launch(tmp_path, workers, 1, *args, "--block-size", block_size)
+    assert final_accuracy(block) >= final_accuracy(plain) - 0.03, (plain, block)
+    assert pushes_per_sample(plain) == pytest.approx(1 / 32, abs=1e-4)  # one per batch
+    # the last, partial block adds one exchange
+    assert pushes_per_sample(block) == pytest.approx(workers / block_size, rel=0.03)
+
+
+BLOCK = ["--kv-store", "dist_sync", "--batch-size", 16, "--block-size", 160, "--epochs", 12]
+
+
+def test_example_block_kill_resume_mid_block(tmp_path):
+    """44 steps an epoch, 5 a block: every checkpoint falls inside a block."""
+    whole, _ = run_launch(tmp_path, 2, 2, *BLOCK, name="whole.npz")
+    ckpt = tmp_path / "ckpt"
+    launch = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2", "-s", "2", *FAST, sys.executable]
+        + [str(MLP), *map(str, BLOCK), "--checkpoint-dir", str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    victim = None
+    try:
+        for line in launch.stdout:  # bounded by the 12 epochs
+            if line.startswith("launch: started worker 1 on localhost (pid "):
+                victim = int(line.split("(pid ")[1].rstrip(")\n"))
+            if "rank 0: checkpoint saved for epoch 2" in line:
+                break
+        os.kill(victim, signal.SIGKILL)  # a worker dies mid-block; the launcher stops the rest
+        rest, _ = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait(10)
+    assert launch.returncode == 137, rest
+    saved = np.load(ckpt / "weights.npz")
+    epoch, step = int(saved["epoch"]), int(saved["step"])
+    assert 2 <= epoch < 11 and step % 5, (epoch, step)  # inside a block
+    assert all((ckpt / f"block-rank{r}-step{step}.state").exists() for r in range(2))
+    resumed, out = run_launch(
+        tmp_path, 2, 2, *BLOCK, "--checkpoint-dir", ckpt, "--resume", name="resumed.npz"
+    )
+    assert f"resuming from epoch {epoch + 1}" in out
+    assert_same(whole, resumed, rtol=1e-6, atol=1e-7)
+
+
+def test_example_block_with_warmup(tmp_path):
+    _, out = run_launch(
+        tmp_path, 2, 1, *BLOCK[:6], "--warmup-steps", 10, "--max-steps", 40, "--no-nesterov"
+    )
+    assert "10 warm-up steps done" in out and "after 40 steps" in out
+    assert "rank 0: 6 pushes of the model for 480 samples" in out  # 30 steps: 6 blocks
