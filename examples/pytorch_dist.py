@@ -1,4 +1,4 @@
-"""Train a PyTorch MLP on the digits through a KVStore with the Horovod-style adapter.
+"""Train a PyTorch MLP on the digits through a KVStore with the Horovod API (kvstore.torch).
 
     python launch.py -n 2 -s 1 python examples/pytorch_dist.py --kv-store dist_sync
 
@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import kvstore
-import kvstore.torch as kvt
+import kvstore.torch as hvd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_mlp import load_data  # noqa: E402  (the same data and split)
@@ -33,19 +32,21 @@ def main(argv=None) -> int:
     p.add_argument("--save-weights", help="rank 0 writes the final parameters here (.npz)")
     args = p.parse_args(argv)
 
-    kv = kvstore.create(args.kv_store)
-    torch.manual_seed(args.seed + kv.rank)  # different on each worker: the broadcast fixes it
+    hvd.init(args.kv_store)
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(args.seed + rank)  # different on each worker: the broadcast fixes it
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    kvt.broadcast_parameters(kv, model.named_parameters())
-    opt = kvt.DistributedOptimizer(
-        kv, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model.named_parameters()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        named_parameters=model.named_parameters(),
     )
     (x_train, y_train), (x_test, y_test) = load_data(args.seed)
     x_train, y_train = torch.from_numpy(x_train), torch.from_numpy(y_train)
-    steps = len(y_train) // (args.batch_size * kv.num_workers)
+    steps = len(y_train) // (args.batch_size * size)
     for epoch in range(args.epochs):
         order = np.random.default_rng(args.seed + 1 + epoch).permutation(len(y_train))
-        mine = order[kv.rank :: kv.num_workers]
+        mine = order[rank::size]
         total = 0.0
         for s in range(steps):
             idx = torch.from_numpy(mine[s * args.batch_size : (s + 1) * args.batch_size])
@@ -54,16 +55,15 @@ def main(argv=None) -> int:
             loss.backward()
             opt.step()
             total += float(loss.detach())
-        print(f"rank {kv.rank} epoch {epoch}: loss {total / steps:.4f}", flush=True)
+        print(f"rank {rank} epoch {epoch}: loss {total / steps:.4f}", flush=True)
     with torch.no_grad():
         pred = model(torch.from_numpy(x_test)).argmax(dim=1).numpy()
-    print(f"rank {kv.rank}: test accuracy {(pred == y_test).mean():.4f}", flush=True)
-    if args.save_weights and kv.rank == 0:
+    print(f"rank {rank}: test accuracy {(pred == y_test).mean():.4f}", flush=True)
+    if args.save_weights and rank == 0:
         np.savez(
             args.save_weights, **{n: t.detach().numpy() for n, t in model.state_dict().items()}
         )
-    kv.close()
-    return 0
+    return 0  # the store closes at exit (hvd.shutdown)
 
 
 if __name__ == "__main__":

@@ -1,88 +1,946 @@
-"""PyTorch on a KVStore, in the style of Horovod: broadcast the initial parameters from rank 0,
-and average gradients through ``kv.pushpull`` before each optimizer step.
+"""Horovod's PyTorch API on a KVStore: a Horovod script runs after changing one import.
 
->>> import torch, kvstore, kvstore.torch as kvt               # doctest: +SKIP
->>> kv = kvstore.create('dist_sync')                           # doctest: +SKIP
->>> kvt.broadcast_parameters(kv, model.named_parameters())    # doctest: +SKIP
->>> opt = kvt.DistributedOptimizer(kv, torch.optim.SGD(model.parameters(), lr=0.1),
-...                                model.named_parameters())  # doctest: +SKIP
+    import kvstore.torch as hvd          # was: import horovod.torch as hvd
 
-Requires the ``torch`` extra. Tensors travel through host memory as NumPy arrays.
+    hvd.init()                           # dist_sync under launch.py, local when run alone
+    torch.set_num_threads(1)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    for x, y in loader:
+        opt.zero_grad()
+        F.nll_loss(model(x), y).backward()   # gradients leave while backward runs
+        opt.step()                           # waits only for what is still in flight
+
+How it works. After :func:`init`, one background thread owns the store and makes every call
+on it (a KVStore is not thread-safe); the API functions hand it jobs and wait for them.
+:class:`DistributedOptimizer` puts a hook on every parameter; when backward has produced a
+parameter's gradient (``backward_passes_per_step`` times) the hook copies it into its
+bucket, a flat buffer of about ``bucket_cap_mb`` (25 MB, as DDP) holding parameters in
+reverse order (the order backward produces them). A full bucket is pushed at once by the
+background thread, which pulls the sum back while backward goes on; ``step()`` (or
+``synchronize()``) waits for the buckets still in flight and writes the averages into
+``p.grad``. Buckets leave in the same order on every worker (a full bucket waits for the
+ones before it), so workers can never wait on each other's different keys.
+
+Collectives (``allreduce``, ``allgather``, ``broadcast*``) are sums on the store's keys:
+a broadcast is the root's tensor plus zeros from everyone else (exact), a gather puts each
+rank's rows at its offset in zeros. Each distinct (name, dtype, shape) is a key, initialised
+(collectively) on first use and reused after. ``broadcast_object`` and
+``broadcast_optimizer_state`` serialise with pickle, between the workers of one job (as
+Horovod's cloudpickle); the servers only ever see bytes.
+
+Requires the ``torch`` extra (``pip install 'kvstore[torch]'``). Tensors travel through host
+memory as NumPy arrays; the store must sum (``dist_sync``, ``dist_device_sync``, ``local``,
+``device``).
 """
 
 from __future__ import annotations
 
+try:
+    import torch
+except ImportError as exc:  # the message a user sees instead of a bare ModuleNotFoundError
+    raise ImportError(
+        "kvstore.torch needs PyTorch, which is not installed: pip install 'kvstore[torch]' "
+        "(or torch's own CPU/CUDA wheel from https://pytorch.org)"
+    ) from exc
+
+import atexit
+import collections
+import contextlib
+import io
+import logging
+import os
+import pickle
+import queue
+import socket
+import threading
+import warnings
+import weakref
+import zlib
+from concurrent.futures import Future
+
 import numpy as np
-import torch
 
 from .store import KVStore
 
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "Sum",
+    "allgather",
+    "allreduce",
+    "allreduce_",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "rank",
+    "shutdown",
+    "size",
+]
+
+log = logging.getLogger("kvstore.torch")
+
+# Horovod's reduction ops. The store sums; Average divides the sum by the number of workers.
+Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
 _SUMMING_TYPES = ("local", "device", "dist_sync", "dist_device_sync")
 
 
-def broadcast_parameters(kv: KVStore, named_params, prefix: str = "param:") -> None:
-    """Make every worker's parameters equal to rank 0's (one batched call for all of them)."""
-    named = [(n, p) for n, p in named_params]
-    keys = [prefix + n for n, _ in named]
-    host = [p.detach().cpu().numpy().copy() for _, p in named]
-    kv.broadcast(keys, host, out=host)
-    with torch.no_grad():
-        for (_, p), value in zip(named, host, strict=True):
-            p.copy_(torch.from_numpy(value))
+# ---------------------------------------------------------------- compression (Horovod's)
 
 
-class DistributedOptimizer:
-    """Wrap a ``torch.optim`` optimizer: ``step()`` first replaces every gradient by the mean
-    of all workers' gradients (one ``pushpull`` of every parameter), then steps.
+class Compressor:
+    """Casts a tensor for the wire and back. ``compress`` returns (tensor, context)."""
 
-    The store must sum without an optimizer of its own (``dist_sync``, ``dist_device_sync``,
-    ``local``, ``device``); ``dist_async`` adds pushes into the stored value instead.
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    """Tensors travel in their own dtype."""
+
+
+class FP16Compressor(Compressor):
+    """Floating-point tensors travel (and are summed on the servers) as float16: half the
+    bytes of float32, about 3 significant digits."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """``Compression.none`` or ``Compression.fp16``, as ``horovod.torch.Compression``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+def _wire_dtype(compression, dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype a tensor of ``dtype`` travels in. NumPy has no bfloat16: bf16 goes as
+    float32 unless the compressor makes it float16."""
+    wire = compression.compress(torch.empty(0, dtype=dtype))[0].dtype
+    if wire == torch.bfloat16:
+        wire = torch.float32
+    if wire == torch.bool:
+        wire = torch.uint8
+    return torch.empty(0, dtype=wire).numpy().dtype
+
+
+# ---------------------------------------------------------------- the store's own thread
+
+
+class _Comm:
+    """One thread that makes every call on the store. ``submit(fn)`` runs ``fn(kv)`` there
+    and returns a Future. A job submitted with ``first=True`` (a bucket's push) runs before
+    the pulls of earlier pushes; it returns the pull, which runs when nothing else waits
+    and completes the job's Future. Any other job runs after every pending pull."""
+
+    def __init__(self, kv: KVStore):
+        self.kv = kv
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="kvstore.torch", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, first: bool = False) -> Future:
+        future: Future = Future()
+        self.jobs.put((fn, future, first))
+        return future
+
+    def run(self, fn):
+        return self.submit(fn).result()
+
+    def stop(self, timeout: float) -> bool:
+        self.jobs.put(None)
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def _loop(self) -> None:
+        pulls: collections.deque = collections.deque()
+        while True:
+            if pulls:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    self._finish(*pulls.popleft())
+                    continue
+            else:
+                job = self.jobs.get()
+            if job is None:
+                while pulls:
+                    self._finish(*pulls.popleft())
+                return
+            fn, future, first = job
+            if not first:
+                while pulls:
+                    self._finish(*pulls.popleft())
+            try:
+                result = fn(self.kv)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                future.set_exception(exc)
+                continue
+            if first:
+                pulls.append((result, future))
+            else:
+                future.set_result(result)
+
+    def _finish(self, pull, future: Future) -> None:
+        try:
+            future.set_result(pull(self.kv))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+
+class _State:
+    def __init__(self):
+        self.kv: KVStore | None = None
+        self.comm: _Comm | None = None
+        self.owned = False
+        self.local_rank = 0
+        self.local_size = 1
+        self.keys: set = set()  # keys initialised in the store (read in the comm thread)
+        self.optimizers = 0
+
+
+_state = _State()
+_init_lock = threading.Lock()
+
+
+def _require() -> _State:
+    if _state.comm is None:
+        raise ValueError("kvstore.torch has not been initialized; use hvd.init().")
+    return _state
+
+
+# ---------------------------------------------------------------- init and identity
+
+
+def init(kv_store: str | KVStore | None = None) -> None:
+    """Start (or join) the job: create the store, and the thread that talks to it.
+
+    ``kv_store``: a store type or a :class:`KVStore` to use (its keys must be strings); by
+    default ``dist_sync`` when started by ``launch.py`` (``DMLC_ROLE`` is set), else
+    ``local`` (one process). Every worker calls it; a second call does nothing.
+
+    >>> import kvstore.torch as hvd; hvd.init(); hvd.size()  # doctest: +SKIP
+    1
     """
+    with _init_lock:
+        if _state.comm is not None:
+            return
+        if isinstance(kv_store, KVStore):
+            kv, owned = kv_store, False
+        else:
+            import kvstore
 
-    def __init__(
-        self, kv: KVStore, optimizer: torch.optim.Optimizer, named_params, prefix: str = "grad:"
-    ):
+            if kv_store is None:
+                kv_store = "dist_sync" if os.environ.get("DMLC_ROLE") else "local"
+            kv, owned = kvstore.create(kv_store), True
         if kv.type not in _SUMMING_TYPES:
+            if owned:
+                kv.close()
             raise ValueError(
-                f"DistributedOptimizer needs a summing store "
-                f"({', '.join(_SUMMING_TYPES)}), not {kv.type!r}"
+                f"kvstore.torch needs a store that sums ({', '.join(_SUMMING_TYPES)}), "
+                f"not {kv.type!r}"
             )
-        self.kv, self.optimizer = kv, optimizer
-        self.named = [(n, p) for n, p in named_params if p.requires_grad]
-        self.keys = [prefix + n for n, _ in self.named]
-        self.buffers = [np.zeros(tuple(p.shape), _numpy_dtype(p)) for _, p in self.named]
-        kv.init(self.keys, self.buffers)
+        _state.kv, _state.owned, _state.keys = kv, owned, set()
+        _state.comm = _Comm(kv)
+        # Registered after the store's own (atexit runs last first): the thread finishes
+        # what is in flight and closes the store before anything else touches it.
+        atexit.register(shutdown)
+        _state.local_rank, _state.local_size = _local_ranks(kv)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+def _local_ranks(kv: KVStore) -> tuple[int, int]:
+    """(local rank, local size): the launcher's ``LOCAL_RANK`` and ``LOCAL_SIZE``, else
+    found by gathering every worker's host name (collective, at init only)."""
+    env = os.environ
+    if kv.num_workers == 1:
+        return 0, 1
+    if env.get("LOCAL_RANK", "").isdigit() and env.get("LOCAL_SIZE", "").isdigit():
+        return int(env["LOCAL_RANK"]), int(env["LOCAL_SIZE"])
+    host = zlib.crc32(socket.gethostname().encode())
+    hosts = allgather(torch.tensor([host], dtype=torch.int64), name="kvt.hosts").tolist()
+    same = [r for r, h in enumerate(hosts) if h == host]
+    return same.index(kv.rank), len(same)
+
+
+def is_initialized() -> bool:
+    return _state.comm is not None
+
+
+def shutdown() -> None:
+    """Finish what is in flight and close the store (at exit, by itself)."""
+    with _init_lock:
+        comm, kv, owned = _state.comm, _state.kv, _state.owned
+        if comm is None:
+            return
+        _state.comm = _state.kv = None
+        try:
+            if owned:
+                comm.run(lambda kv: kv.close())
+        finally:
+            comm.stop(timeout=30)
+        atexit.unregister(shutdown)
+        del kv
+
+
+def rank() -> int:
+    """This worker's rank, 0 .. size() - 1."""
+    return _require().kv.rank
+
+
+def size() -> int:
+    """The number of workers."""
+    return _require().kv.num_workers
+
+
+def local_rank() -> int:
+    """This worker's rank among the workers of its host (for ``torch.cuda.set_device``)."""
+    return _require().local_rank
+
+
+def local_size() -> int:
+    """The number of workers on this worker's host."""
+    return _require().local_size
+
+
+def cross_rank() -> int:
+    """The index of this worker's host, when every host runs ``local_size()`` workers."""
+    return rank() // local_size()
+
+
+def cross_size() -> int:
+    return size() // local_size()
+
+
+def join(device: int = -1) -> int:
+    """Out of data: count as pushing zeros into every round (every other worker's gradient
+    averages and allreduces go on) until all workers have joined; return the last rank to
+    join. Keys first used after a worker has joined cannot be initialised: let every worker
+    make each collective call once before anyone joins."""
+    return _require().comm.run(lambda kv: kv.join())
+
+
+def barrier() -> None:
+    _require().comm.run(lambda kv: kv.barrier())
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def _false() -> bool:
+    return False
+
+
+mpi_built = mpi_enabled = gloo_built = gloo_enabled = nccl_built = _false
+ddl_built = ccl_built = cuda_built = rocm_built = _false
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _key(kind: str, name, dtype: np.dtype, shape) -> str:
+    return f"kvt.{kind}.{'' if name is None else name}.{dtype.str}.{'x'.join(map(str, shape))}"
+
+
+def _ensure(kv: KVStore, keys: list, arrays: list) -> None:
+    """Initialise the keys not yet in the store (collective; in the comm thread)."""
+    new = [(k, a) for k, a in zip(keys, arrays, strict=True) if k not in _state.keys]
+    if new:
+        kv.init([k for k, _ in new], [np.zeros_like(a) for _, a in new])
+        _state.keys.update(k for k, _ in new)
+
+
+def _sum(keys: list, arrays: list) -> None:
+    """Replace each array by its sum over the workers (one call; arrays are host, contiguous)."""
+
+    def job(kv):
+        _ensure(kv, keys, arrays)
+        kv.pushpull(keys, arrays)
+
+    _require().comm.run(job)
+
+
+def _host(tensor: torch.Tensor, dtype: np.dtype | None = None) -> np.ndarray:
+    t = tensor.detach()
+    if t.dtype in (torch.bfloat16, torch.bool):
+        t = t.to(torch.float32 if t.dtype == torch.bfloat16 else torch.uint8)
+    # A copy: the sum comes back into it, never into the caller's tensor.
+    return np.array(t.cpu().numpy(), dtype=dtype, order="C", copy=True)
+
+
+def _check_tensor(what: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
+
+
+def _check_root(root_rank) -> None:
+    n = size()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < n:
+        raise ValueError(f"root_rank must be a rank in 0..{n - 1}, got {root_rank!r}")
+
+
+def _resolve_op(average, op):
+    if average is not None and op is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if op is None:
+        op = Sum if average is False else Average
+    if op == Adasum:
+        raise NotImplementedError(
+            "op=Adasum is not supported by kvstore.torch (the servers sum); use Average or Sum"
+        )
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"op={op!r} is not supported by kvstore.torch: Average or Sum")
+    return op
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=None,
+) -> torch.Tensor:
+    """The average (``op=Average``, the default) or sum (``op=Sum``) of ``tensor`` over all
+    workers, as a new tensor on the tensor's device. Every worker calls it, in the same order.
+    An integer tensor's average is rounded down.
+
+    >>> hvd.allreduce(torch.tensor(float(hvd.rank())))  # doctest: +SKIP
+    tensor(0.5000)
+    """
+    op = _resolve_op(average, op)
+    _check_tensor("allreduce", tensor)
+    _no_process_set(process_set)
+    if tensor.dtype == torch.bool:
+        raise TypeError("allreduce: bool tensors cannot be summed; cast to an integer type")
+    compressed, ctx = compression.compress(tensor.detach())
+    if prescale_factor != 1.0:
+        compressed = compressed * prescale_factor
+    host = _host(compressed)
+    if host.size:
+        _sum([_key("allreduce", name, host.dtype, host.shape)], [host])
+    out = compression.decompress(torch.from_numpy(host).to(compressed.dtype), ctx)
+    scale = postscale_factor / (size() if op == Average else 1)
+    if scale != 1.0:
+        if out.dtype.is_floating_point or out.dtype.is_complex:
+            out = out * scale
+        else:
+            out = torch.div(out * postscale_factor, size(), rounding_mode="floor").to(out.dtype)
+    return out.to(device=tensor.device, dtype=tensor.dtype)
+
+
+def allreduce_(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """:func:`allreduce` in place."""
+    with torch.no_grad():
+        tensor.copy_(allreduce(tensor, *args, **kwargs))
+    return tensor
+
+
+_GATHER_DIMS = 8
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -> torch.Tensor:
+    """Every worker's ``tensor`` concatenated along dimension 0, in rank order. The first
+    dimension may differ between workers; the others and the dtype must not.
+
+    >>> hvd.allgather(torch.tensor([hvd.rank()]))  # doctest: +SKIP
+    tensor([0, 1])
+    """
+    _check_tensor("allgather", tensor)
+    _no_process_set(process_set)
+    t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    if t.dim() > _GATHER_DIMS - 2:
+        raise ValueError(f"allgather: at most {_GATHER_DIMS - 2} dimensions, got {t.dim()}")
+    host = _host(t)
+    me, n = rank(), size()
+    shapes = np.zeros((n, _GATHER_DIMS), np.int64)
+    shapes[me, :2] = [zlib.crc32(host.dtype.str.encode()), t.dim()]
+    shapes[me, 2 : 2 + t.dim()] = t.shape
+    _sum([_key("allgather.shapes", None, shapes.dtype, shapes.shape)], [shapes])
+    rest = {tuple(row[:2]) + tuple(row[3:]) for row in shapes}
+    if len(rest) > 1:
+        described = ", ".join(
+            f"rank {r}: {tuple(int(d) for d in row[2 : 2 + row[1]])}"
+            for r, row in enumerate(shapes)
+        )
+        raise ValueError(
+            f"allgather: tensors must match in dtype and in every dimension but the first; "
+            f"got {described} (dtypes {'differ' if len({r[0] for r in rest}) > 1 else 'match'})"
+        )
+    rows = shapes[:, 2]
+    start = int(rows[:me].sum())
+    total = np.zeros((int(rows.sum()), *host.shape[1:]), host.dtype)
+    total[start : start + host.shape[0]] = host
+    if total.size:
+        _sum([_key("allgather", name, total.dtype, total.shape)], [total])
+    out = torch.from_numpy(total)
+    if tensor.dtype in (torch.bfloat16, torch.bool):
+        out = out.to(tensor.dtype)
+    return out.to(tensor.device)
+
+
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=None
+) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every worker, as a new tensor (bit for bit)."""
+    _check_tensor("broadcast", tensor)
+    _no_process_set(process_set)
+    _check_root(root_rank)
+    return _broadcast_many([(name, tensor)], root_rank, "broadcast")[0]
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=None):
+    """:func:`broadcast` in place."""
+    with torch.no_grad():
+        tensor.copy_(broadcast(tensor, root_rank, name, process_set))
+    return tensor
+
+
+def _broadcast_many(named: list, root_rank: int, kind: str) -> list:
+    """Root's value of every tensor of ``named`` [(name, tensor)], in one call."""
+    mine = rank() == root_rank
+    hosts, keys = [], []
+    for i, (name, tensor) in enumerate(named):
+        host = _host(tensor)
+        if not mine:
+            host = np.zeros_like(host)
+        hosts.append(host)
+        keys.append(_key(kind, f"#{i}" if name is None else name, host.dtype, host.shape))
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{kind}: duplicate names {sorted(k for k in keys if keys.count(k) > 1)}")
+    live = [(k, h) for k, h in zip(keys, hosts, strict=True) if h.size]
+    if live:
+        _sum([k for k, _ in live], [h for _, h in live])
+    return [
+        torch.from_numpy(h).to(device=t.device, dtype=t.dtype)
+        for h, (_, t) in zip(hosts, named, strict=True)
+    ]
+
+
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Copy ``root_rank``'s tensors into every worker's, in place: ``model.state_dict()``,
+    ``model.named_parameters()``, or a list of tensors (one call for all of them; callable
+    any number of times).
+
+    >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # doctest: +SKIP
+    """
+    _require()
+    _check_root(root_rank)
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, (str, bytes, torch.Tensor)) or not hasattr(params, "__iter__"):
+        raise ValueError(
+            f"broadcast_parameters: invalid params of type {type(params).__name__}: expected "
+            "model.state_dict(), model.named_parameters() or a list of tensors"
+        )
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    for name, p in items:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"broadcast_parameters: {name or 'an entry'} is a {type(p).__name__}, not a tensor"
+            )
+    if not items:
+        return
+    values = _broadcast_many(items, root_rank, "param")
+    with torch.no_grad():
+        for (_, p), value in zip(items, values, strict=True):
+            p.copy_(value)
+
+
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
+    """``root_rank``'s ``obj`` on every worker (pickled between the workers of this job).
+
+    >>> epoch = hvd.broadcast_object(epoch, root_rank=0)  # doctest: +SKIP
+    """
+    _require()
+    _no_process_set(process_set)
+    _check_root(root_rank)
+    mine = rank() == root_rank
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
+    length = np.array([len(data)], np.int64)
+    _sum([_key("object.length", name, length.dtype, length.shape)], [length])
+    n = int(length[0])
+    # Sizes rounded up to a power of two: few keys however many sizes are sent.
+    capacity = 1 << max(6, (n - 1).bit_length())
+    payload = np.zeros(capacity, np.uint8)
+    if mine:
+        payload[:n] = np.frombuffer(data, np.uint8)
+    _sum([_key("object", name, payload.dtype, payload.shape)], [payload])
+    return obj if mine else pickle.loads(payload[:n].tobytes())
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every worker's optimizer state (and hyperparameters: ``lr``, momentum, ...)
+    ``root_rank``'s, through its ``state_dict``. A fresh optimizer's empty state is
+    broadcast as it is (the parameters are left alone)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    _require()
+    _check_root(root_rank)
+    state = None
+    if rank() == root_rank:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        state = buf.getvalue()
+    state = broadcast_object(state, root_rank, name="kvt.optimizer_state")
+    if rank() != root_rank:
+        loaded = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(loaded)
+
+
+def _no_process_set(process_set) -> None:
+    if process_set is not None:
+        raise NotImplementedError("process sets are not supported by kvstore.torch")
+
+
+# ---------------------------------------------------------------- DistributedOptimizer
+
+
+class _Bucket:
+    """A flat wire buffer for some parameters' gradients, pushed and pulled as one key."""
+
+    def __init__(self, key: str, dtype: np.dtype, params: list):
+        self.key = key
+        self.slots = []  # (param, lo, hi)
+        offset = 0
+        for p in params:
+            self.slots.append((p, offset, offset + p.numel()))
+            offset += p.numel()
+        self.host = np.zeros(offset, dtype)
+        self.flat = torch.from_numpy(self.host)
+        self.filled = 0
+        self.future: Future | None = None
+
+
+class _DistributedMixin:
+    """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`)."""
+
+    def _kvt_setup(self, named, compression, passes, op, predivide, bucket_bytes):
+        st = _require()
+        self._kvt_compression = compression
+        self._kvt_passes = passes
+        self._kvt_prescale = 1.0 / predivide
+        self._kvt_postscale = predivide / st.kv.num_workers if op == Average else 1.0
+        self._kvt_should_sync = True
+        self._kvt_synchronized = False
+        self._kvt_lock = threading.Lock()
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        params = list({id(p): p for p in params}.values())
+        self._kvt_names = {id(p): named[id(p)] for p in params}
+        # Reverse order: backward produces the last layers' gradients first.
+        groups: dict = {}
+        for p in reversed(params):
+            groups.setdefault(_wire_dtype(compression, p.dtype), []).append(p)
+        st.optimizers += 1
+        self._kvt_buckets: list[_Bucket] = []
+        for dtype, members in groups.items():
+            current, nbytes = [], 0
+            for p in members:
+                if current and nbytes + p.numel() * dtype.itemsize > bucket_bytes:
+                    self._kvt_add_bucket(st.optimizers, dtype, current)
+                    current, nbytes = [], 0
+                current.append(p)
+                nbytes += p.numel() * dtype.itemsize
+            if current:
+                self._kvt_add_bucket(st.optimizers, dtype, current)
+        self._kvt_where = {
+            id(p): (b, i) for b in self._kvt_buckets for i, (p, _, _) in enumerate(b.slots)
+        }
+        self._kvt_reset()
+        keys = [b.key for b in self._kvt_buckets]
+        hosts = [b.host for b in self._kvt_buckets]
+        if keys:
+            st.comm.run(lambda kv: _ensure(kv, keys, hosts))
+        me = weakref.ref(self)
+        self._kvt_hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, me=me: me() and me()._kvt_hook(p))
+            for p in params
+        ]
+        weakref.finalize(self, _remove_hooks, self._kvt_hooks)
+
+    def _kvt_add_bucket(self, index: int, dtype: np.dtype, params: list) -> None:
+        key = f"kvt.grad.{index}.{len(self._kvt_buckets)}"
+        self._kvt_buckets.append(_Bucket(key, dtype, params))
+
+    def _kvt_reset(self) -> None:
+        self._kvt_countdown = {pid: self._kvt_passes for pid in self._kvt_where}
+        for b in self._kvt_buckets:
+            b.filled, b.future = 0, None
+        self._kvt_next = 0  # the first bucket not yet sent
+
+    # -- backward's side
+    def _kvt_hook(self, p: torch.Tensor) -> None:
+        with self._kvt_lock:
+            left = self._kvt_countdown[id(p)] - 1
+            if left < 0:
+                raise AssertionError(
+                    f"Gradients were computed more than backward_passes_per_step "
+                    f"({self._kvt_passes}) times before call to step() (parameter "
+                    f"{self._kvt_names[id(p)]!r}). Increase backward_passes_per_step to "
+                    "accumulate gradients locally."
+                )
+            self._kvt_countdown[id(p)] = left
+            if left == 0:
+                self._kvt_fill(p)
+                self._kvt_send_ready()
+
+    def _kvt_fill(self, p: torch.Tensor) -> None:
+        bucket, i = self._kvt_where[id(p)]
+        _, lo, hi = bucket.slots[i]
+        grad = p.grad
+        if grad is None:
+            bucket.flat[lo:hi].zero_()
+        else:
+            if grad.is_sparse:
+                if not self._kvt_sparse_as_dense:
+                    raise ValueError(
+                        f"parameter {self._kvt_names[id(p)]!r} has a sparse gradient: pass "
+                        "sparse_as_dense=True to DistributedOptimizer"
+                    )
+                grad = grad.to_dense()
+            wire, _ = self._kvt_compression.compress(grad.detach().reshape(-1))
+            if self._kvt_prescale != 1.0:
+                wire = wire * self._kvt_prescale
+            bucket.flat[lo:hi].copy_(wire)
+        bucket.filled += 1
+
+    def _kvt_send_ready(self) -> None:
+        """Send the full buckets, in bucket order (the same order on every worker)."""
+        buckets = self._kvt_buckets
+        while self._kvt_next < len(buckets):
+            b = buckets[self._kvt_next]
+            if b.filled < len(b.slots):
+                return
+            b.future = _state.comm.submit(_push_then_pull(b.key, b.host), first=True)
+            self._kvt_next += 1
+
+    # -- Horovod's API
+    def synchronize(self) -> None:
+        """Wait for every gradient's average (sending the ones backward did not produce:
+        unused parameters count as zero) and write them into ``p.grad``."""
+        with self._kvt_lock:
+            for b in self._kvt_buckets[self._kvt_next :]:
+                for p, _, _ in b.slots:
+                    if self._kvt_countdown[id(p)] > 0:
+                        self._kvt_countdown[id(p)] = 0
+                        self._kvt_fill(p)
+            self._kvt_send_ready()
+        errors = []
+        for b in self._kvt_buckets:
+            try:
+                b.future.result()
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            self._kvt_reset()
+            raise errors[0]
+        with torch.no_grad():
+            for b in self._kvt_buckets:
+                for p, lo, hi in b.slots:
+                    value = self._kvt_compression.decompress(b.flat[lo:hi], p.dtype)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(value.view(p.shape))
+                    if self._kvt_postscale != 1.0:
+                        p.grad.mul_(self._kvt_postscale)
+        self._kvt_reset()
+        self._kvt_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, ``step()`` does not synchronize (call ``synchronize()`` before it, e.g. to
+        clip or unscale the averaged gradients)."""
+        self._kvt_should_sync = False
+        try:
+            yield
+        finally:
+            self._kvt_should_sync = True
 
     def step(self, closure=None):
-        for (_, p), buf in zip(self.named, self.buffers, strict=True):
-            if p.grad is None:
-                buf[...] = 0  # every worker must push every key: an unused one pushes zeros
-            else:
-                buf[...] = p.grad.detach().cpu().numpy()
-        self.kv.pushpull(self.keys, self.buffers)  # the sums come back in place
-        scale = 1.0 / self.kv.num_workers
-        with torch.no_grad():
-            for (_, p), buf in zip(self.named, self.buffers, strict=True):
-                mean = torch.from_numpy(buf).to(p.device) * scale
-                if p.grad is None:
-                    p.grad = mean.to(p.dtype)
-                else:
-                    p.grad.copy_(mean)
-        return self.optimizer.step(closure)
+        if self._kvt_should_sync:
+            if self._kvt_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(). This can cause training slowdown. You may "
+                    "want to consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._kvt_synchronized = False
+        return super().step(closure)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(left == 0 for left in self._kvt_countdown.values()):
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition."
+            )
+        return super().zero_grad(set_to_none=set_to_none)
 
 
-def _numpy_dtype(p: torch.Tensor):
-    return torch.empty((), dtype=p.dtype).numpy().dtype
+# The wrapped class's step already runs the optimizer's step hooks: torch must not wrap this
+# one again (it does so for a class whose step is not marked, e.g. in load_state_dict).
+_DistributedMixin.step.hooked = True
+
+
+def _push_then_pull(key: str, host: np.ndarray):
+    def push(kv):
+        kv.push(key, host)
+        return lambda kv: kv.pull(key, out=host)
+
+    return push
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an optimizer)
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    compression=Compression.none,
+    backward_passes_per_step: int = 1,
+    op=Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=None,
+    bucket_cap_mb: float = 25,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses the average of every worker's gradients.
+
+    The result is an instance of the optimizer's own class (``isinstance(opt, torch.optim.SGD)``
+    holds; LR schedulers, ``state``, ``param_groups``, ``state_dict`` are the wrapped
+    optimizer's), with ``synchronize()`` and ``skip_synchronize()``. Gradients are averaged
+    over the workers (``op=Sum``: summed) in buckets of about ``bucket_cap_mb`` that leave
+    while backward runs. ``backward_passes_per_step=N`` accumulates N backward passes
+    locally (summed, as Horovod) before communicating. ``Compression.fp16`` halves the bytes.
+    ``num_groups`` and ``groups`` (Horovod's fusion groups) are accepted and ignored: buckets
+    play their part.
+
+    >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    ... # doctest: +SKIP
+    """
+    _require()
+    _no_process_set(process_set)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("DistributedOptimizer: this optimizer is already distributed")
+    if op == Adasum:
+        raise NotImplementedError(
+            "op=Adasum is not supported by kvstore.torch (the servers sum); use Average or Sum"
+        )
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"op={op!r} is not supported by kvstore.torch: Average or Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step < 1
+    ):
+        raise ValueError(
+            f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+        )
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    if not (isinstance(compression, type) and issubclass(compression, Compressor)) and not (
+        hasattr(compression, "compress") and hasattr(compression, "decompress")
+    ):
+        raise TypeError(
+            "compression: expected hvd.Compression.none, hvd.Compression.fp16 or a "
+            f"Compressor, got {compression!r}"
+        )
+    named = _names(optimizer, named_parameters)
+    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
+    dist = cls.__new__(cls)
+    # Share the wrapped optimizer's state: param_groups, state, defaults, hooks. A step
+    # stored on the instance (an LR scheduler's counter) would call the unwrapped step.
+    dist.__dict__.update(
+        {
+            k: v
+            for k, v in optimizer.__dict__.items()
+            if k != "step" and getattr(v, "__self__", None) is not optimizer
+        }
+    )
+    dist._kvt_sparse_as_dense = sparse_as_dense
+    dist._kvt_setup(
+        named,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        int(bucket_cap_mb * 2**20),
+    )
+    return dist
+
+
+def _names(optimizer, named_parameters) -> dict:
+    """id(param) -> name for every parameter of ``optimizer`` (Horovod's checks)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(n, tuple) or len(n) != 2 for n in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually "
+            "produced by model.named_parameters()."
+        )
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique. Found duplicates: "
+            f"{', '.join(dups)}"
+        )
+    by_id = {id(p): n for n, p in named}
+    unnamed = [p for p in params if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not "
+            f"named (shapes {[tuple(p.shape) for p in unnamed]})."
+        )
+    return by_id

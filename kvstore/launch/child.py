@@ -39,6 +39,29 @@ def task_role(env, num_servers: int) -> tuple[str, int]:
     )
 
 
+def worker_ranks(env, rank: int) -> dict:
+    """torchrun's ``RANK`` and ``WORLD_SIZE`` for a worker task; ``LOCAL_RANK`` and
+    ``LOCAL_SIZE`` only when every task runs on one host (elsewhere the tasks of a host mix
+    servers and workers, and ``kvstore.torch.init`` finds them from the host names)."""
+    out = {"RANK": str(rank)}
+    workers = env.get("DMLC_NUM_WORKER", "")
+    if workers.isdigit():
+        out["WORLD_SIZE"] = workers
+    one_host = (
+        any(
+            env.get(local, "") == env.get(world, "") != ""
+            for local, world in (
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
+                ("MPI_LOCALNRANKS", "PMI_SIZE"),
+            )
+        )
+        or env.get("SLURM_NNODES") == "1"
+    )
+    if one_host and workers.isdigit():
+        out.update(LOCAL_RANK=str(rank), LOCAL_SIZE=workers)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore.launch.child")
     parser.add_argument("--num-servers", type=int, required=True)
@@ -51,6 +74,8 @@ def main(argv=None) -> int:
         print(f"kvstore.launch.child: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ, DMLC_ROLE=role, KVSTORE_RANK=str(rank))
+    if role == "worker":
+        env.update(worker_ranks(os.environ, rank))
     argv = [sys.executable, "-m", "kvstore.server"] if role == "server" else command
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())

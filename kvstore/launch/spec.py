@@ -36,7 +36,28 @@ class JobSpec:
         ]
 
     def role_env(self, role: str, rank: int) -> dict:
-        return {**self.env, "DMLC_ROLE": role, "KVSTORE_RANK": str(rank)}
+        env = {**self.env, "DMLC_ROLE": role, "KVSTORE_RANK": str(rank)}
+        if role == "worker":
+            env.update(self.worker_ranks(rank))
+        return env
+
+    def worker_ranks(self, rank: int) -> dict:
+        """torchrun's names for a worker (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+        ``LOCAL_SIZE``): its rank among the workers on its host follows the placement."""
+        if self.hosts:
+            from .hostfile import place
+
+            where = place(self.hosts, self.num_procs)[self.num_servers :]
+            mine = where[rank].name
+            local = [r for r, h in enumerate(where) if h.name == mine]
+        else:
+            local = list(range(self.num_workers))
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.num_workers),
+            "LOCAL_RANK": str(local.index(rank)),
+            "LOCAL_SIZE": str(len(local)),
+        }
 
     def role_command(self, role: str) -> list[str]:
         return [self.python, "-m", "kvstore.server"] if role == "server" else self.command
