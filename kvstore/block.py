@@ -14,15 +14,16 @@ syncs after ``block_size // num_workers`` of its own samples. So a block is the 
 data whatever the number of workers, and a momentum given as a time constant (in samples)
 means the same thing at any W.
 
->>> import kvstore  # doctest: +SKIP
->>> kv = kvstore.create('dist_sync')
->>> kv.set_optimizer(block_momentum(kv.num_workers, block_size=1024))
->>> kv.init(list(params), list(params.values()))
->>> trainer = BlockTrainer(kv, params, kvstore.optimizer.SGD(learning_rate=0.1, momentum=0.9),
-...                        block_size=1024)
->>> for x, y in batches:
-...     trainer.step(gradients(params, x, y), len(y))  # pushes once per block
->>> trainer.finish()  # the last, partial block
+Example (under ``launch.py``; ``gradients`` and ``batches`` are the user's)::
+
+    kv = kvstore.create('dist_sync')
+    kv.set_optimizer(block_momentum(kv.num_workers, block_size=1024))
+    kv.init(list(params), list(params.values()))
+    local = kvstore.optimizer.SGD(learning_rate=0.1, momentum=0.9)
+    trainer = BlockTrainer(kv, params, local, block_size=1024)
+    for x, y in batches:
+        trainer.step(gradients(params, x, y), len(y))  # pushes once per block
+    trainer.finish()  # the last, partial block
 """
 
 from __future__ import annotations
