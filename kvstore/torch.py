@@ -771,7 +771,7 @@ class _DistributedMixin:
             for b in self._kvt_buckets:
                 for p, lo, hi in b.slots:
                     value = self._kvt_compression.decompress(b.flat[lo:hi], p.dtype)
-                    if p.grad is None:
+                    if p.grad is None or p.grad.is_sparse:
                         p.grad = torch.zeros_like(p)
                     p.grad.copy_(value.view(p.shape))
                     if self._kvt_postscale != 1.0:

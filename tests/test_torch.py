@@ -1,0 +1,433 @@
+"""kvstore.torch in one process (a ``local`` store): every API call, its errors, and
+DistributedOptimizer equal to the plain optimizer however the gradients are bucketed.
+The distributed behaviour (W workers against one process) is in test_torch_dist.py."""
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvstore  # noqa: E402
+import kvstore.torch as hvd  # noqa: E402
+from kvstore.launch.child import worker_ranks  # noqa: E402
+from kvstore.launch.hostfile import Host  # noqa: E402
+from kvstore.launch.spec import JobSpec  # noqa: E402
+
+from .cluster import ROOT  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def local():
+    hvd.init("local")
+    yield
+    hvd.shutdown()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 3)
+        )
+        self.unused = torch.nn.Linear(2, 2)  # never gets a gradient
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(8, 1, 6, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def loss_of(m, x, y):
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+# ---------------------------------------------------------------- import, init, identity
+
+
+def test_import_without_torch_names_the_extra():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import kvstore.torch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    assert "kvstore.torch needs PyTorch" in done.stderr
+    assert "pip install 'kvstore[torch]'" in done.stderr
+
+
+def test_calls_before_init_say_so():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    for call in (
+        hvd.rank,
+        hvd.size,
+        hvd.local_rank,
+        hvd.local_size,
+        hvd.join,
+        lambda: hvd.allreduce(torch.ones(2)),
+        lambda: hvd.allgather(torch.ones(2)),
+        lambda: hvd.broadcast_parameters({"w": torch.ones(2)}),
+        lambda: hvd.broadcast_object(1),
+        lambda: hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1)),
+    ):
+        with pytest.raises(ValueError, match="has not been initialized; use hvd.init"):
+            call()
+
+
+def test_identity_and_repeated_init():
+    hvd.init()  # a second call does nothing
+    assert hvd.is_initialized()
+    assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    assert hvd.join() == 0
+    assert not hvd.nccl_built() and not hvd.mpi_threads_supported()
+
+
+def test_init_refuses_a_store_that_does_not_sum():
+    hvd.shutdown()
+    with pytest.raises(ValueError, match="needs a store that sums.*'dist_async'"):
+        hvd.init(kvstore.KVStore("dist_async"))
+    hvd.init(kvstore.create("device"))
+    assert hvd.size() == 1
+
+
+def test_shutdown_then_init_again():
+    hvd.allreduce(torch.ones(3), name="x")
+    hvd.shutdown()
+    hvd.shutdown()  # twice is fine
+    hvd.init("local")
+    assert hvd.allreduce(torch.ones(3), name="x").tolist() == [1, 1, 1]
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def test_allreduce_forms():
+    t = torch.tensor([1.0, 2.0])
+    out = hvd.allreduce(t)
+    assert out.tolist() == [1, 2] and out is not t and out.dtype == torch.float32
+    assert hvd.allreduce(t, op=hvd.Sum, name="s").tolist() == [1, 2]
+    assert hvd.allreduce(t, average=False).tolist() == [1, 2]
+    assert hvd.allreduce(t, prescale_factor=2, postscale_factor=3).tolist() == [6, 12]
+    half = hvd.allreduce(t.double(), compression=hvd.Compression.fp16)
+    assert half.dtype == torch.float64 and half.tolist() == [1, 2]
+    assert hvd.allreduce(torch.tensor(5)).item() == 5  # 0-d, int
+    assert hvd.allreduce(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert hvd.allreduce(torch.empty(0, 3)).shape == (0, 3)
+    x = torch.tensor([4.0])
+    assert hvd.allreduce_(x, op=hvd.Sum) is x and x.item() == 4
+
+
+def test_allreduce_errors():
+    with pytest.raises(ValueError, match="op parameter supersedes average"):
+        hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
+    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
+        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="Average or Sum"):
+        hvd.allreduce(torch.ones(1), op=hvd.Max)
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        hvd.allreduce([1.0])
+    with pytest.raises(TypeError, match="bool tensors"):
+        hvd.allreduce(torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sparse tensors"):
+        hvd.allreduce(torch.ones(2).to_sparse())
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.allreduce(torch.ones(1), process_set=object())
+
+
+def test_allgather_and_broadcast():
+    assert hvd.allgather(torch.tensor(3)).tolist() == [3]
+    m = torch.arange(6).reshape(3, 2)
+    assert torch.equal(hvd.allgather(m, name="m"), m)
+    flags = torch.tensor([True, False])
+    assert torch.equal(hvd.allgather(flags), flags)
+    with pytest.raises(ValueError, match="at most 6 dimensions"):
+        hvd.allgather(torch.ones([1] * 7))
+    b = torch.tensor([1.5, -0.0])
+    assert torch.equal(hvd.broadcast(b, 0), b)
+    assert torch.equal(hvd.broadcast(flags, root_rank=0), flags)
+    y = torch.zeros(2)
+    hvd.broadcast_(y, 0)
+    assert y.tolist() == [0, 0]
+    for bad in (1, -1, "0", True):
+        with pytest.raises(ValueError, match=r"root_rank must be a rank in 0\.\.0"):
+            hvd.broadcast(b, bad)
+
+
+def test_broadcast_object():
+    obj = {"epoch": 3, "names": ["a", "b"], "t": torch.ones(2)}
+    assert hvd.broadcast_object(obj, root_rank=0) is obj  # the root keeps its own
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast_object(obj, root_rank=1)
+
+
+def test_broadcast_parameters_forms():
+    m = model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    hvd.broadcast_parameters(m.named_parameters())  # a generator; callable again
+    hvd.broadcast_parameters(list(m.parameters()))
+    hvd.broadcast_parameters([])
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match="invalid params of type Tensor"):
+        hvd.broadcast_parameters(torch.ones(2))
+    with pytest.raises(ValueError, match="invalid params of type int"):
+        hvd.broadcast_parameters(3)
+    with pytest.raises(TypeError, match="w is a str, not a tensor"):
+        hvd.broadcast_parameters({"w": "nope"})
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast_parameters(m.state_dict(), root_rank=2)
+
+
+def test_broadcast_optimizer_state():
+    m = model()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # empty state: nothing changes
+    assert not opt.state
+    for x, y in batches(2):
+        opt.zero_grad()
+        loss_of(m, x, y).backward()
+        opt.step()
+    saved = opt.state_dict()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.state_dict()["param_groups"] == saved["param_groups"]
+    with pytest.raises(TypeError, match="expected a torch.optim.Optimizer, got dict"):
+        hvd.broadcast_optimizer_state({}, root_rank=0)
+
+
+# ---------------------------------------------------------------- DistributedOptimizer
+
+
+def train(opt_name, steps, passes=1, distributed=None, clip=None):
+    """Train ``model()``; with ``distributed`` (DistributedOptimizer's keyword arguments)
+    through it, else with the plain optimizer. Returns the final state_dict."""
+    m = model()
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    }[opt_name]
+    opt = make(m.parameters())
+    if distributed is not None:
+        opt = hvd.DistributedOptimizer(
+            opt,
+            named_parameters=m.named_parameters(),
+            backward_passes_per_step=passes,
+            **distributed,
+        )
+    data = batches(steps * passes, seed=7)
+    for s in range(steps):
+        opt.zero_grad()
+        for x, y in data[s * passes : (s + 1) * passes]:
+            loss_of(m, x, y).backward()
+        if clip is not None:
+            if distributed is not None:
+                opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            if distributed is not None:
+                with opt.skip_synchronize():
+                    opt.step()
+                continue
+        opt.step()
+    return m.state_dict()
+
+
+def used(state):
+    """The parameters with gradients: as in Horovod, an unused one gets a zero gradient
+    (so weight decay moves it), where a plain optimizer skips it."""
+    return [k for k in state if not k.startswith("unused.")]
+
+
+@pytest.mark.parametrize(
+    "opt_name,passes,kwargs,clip",
+    [
+        ("sgd", 1, {}, None),
+        ("sgd", 1, {"bucket_cap_mb": 1e-4}, None),  # one parameter (or so) per bucket
+        ("adam", 2, {"bucket_cap_mb": 4e-4}, None),
+        ("sgd", 3, {"gradient_predivide_factor": 4.0}, None),
+        ("sgd", 1, {"bucket_cap_mb": 1e-4}, 0.5),  # synchronize, clip, skip_synchronize
+    ],
+)
+def test_distributed_optimizer_equals_plain_optimizer(opt_name, passes, kwargs, clip):
+    plain = train(opt_name, 4, passes, clip=clip)
+    dist = train(opt_name, 4, passes, kwargs, clip=clip)
+    for k in used(plain):
+        np.testing.assert_allclose(dist[k], plain[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_fp16_compression_within_tolerance():
+    plain = train("sgd", 4)
+    dist = train("sgd", 4, distributed={"compression": hvd.Compression.fp16})
+    for k in used(plain):  # float16 keeps ~3 digits of each gradient
+        np.testing.assert_allclose(dist[k], plain[k], rtol=2e-3, atol=2e-4, err_msg=k)
+    assert any(not torch.equal(dist[k], plain[k]) for k in plain)  # it did round
+
+
+def test_is_a_real_optimizer():
+    m = model()
+    base = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters())
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, torch.optim.Optimizer)
+    assert type(opt).__name__ == "SGD"
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in batches(2):
+        opt.zero_grad()
+        loss_of(m, x, y).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert len(opt.state) == 6  # momentum for every parameter, the unused one's too
+    assert torch.equal(m.unused.weight.grad, torch.zeros(2, 2))  # unused: zero gradient
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    assert opt.state_dict()["param_groups"] == saved["param_groups"]
+    hooked = []
+    opt.register_step_pre_hook(lambda *a: hooked.append(1))
+    opt.zero_grad()
+    loss_of(m, *batches(1)[0]).backward()
+    opt.step()
+    assert hooked == [1]  # the optimizer's step hooks run once
+
+
+def test_without_named_parameters_and_with_sum():
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Sum)
+    loss_of(m, *batches(1)[0]).backward()
+    opt.step()
+
+
+def test_backward_twice_needs_backward_passes_per_step():
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    loss_of(m, x, y).backward()
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
+        loss_of(m, x, y).backward()
+    del opt  # an optimizer no longer referenced leaves backward alone
+    loss_of(m, x, y).backward()
+
+
+def test_zero_grad_between_backward_and_step_is_refused():
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    opt.zero_grad()  # before backward: fine
+    loss_of(m, *batches(1)[0]).backward()
+    with pytest.raises(AssertionError, match="zero_grad\\(\\) was called after loss.backward"):
+        opt.zero_grad()
+    opt.synchronize()
+    opt.zero_grad()  # after synchronize: fine
+
+
+def test_step_after_synchronize_warns():
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    loss_of(m, *batches(1)[0]).backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.step()
+    opt.zero_grad()
+    loss_of(m, *batches(1)[0]).backward()
+    opt.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with opt.skip_synchronize():
+            opt.step()
+
+
+def test_sparse_gradients():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="sparse gradient: pass sparse_as_dense=True"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), sparse_as_dense=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    assert emb.weight.grad.layout == torch.strided
+
+
+def test_distributed_optimizer_errors():
+    m = model()
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    named = list(m.named_parameters())
+    cases = [
+        ({"optimizer": "sgd"}, TypeError, "expected a torch.optim.Optimizer, got str"),
+        ({"op": hvd.Adasum}, NotImplementedError, "Adasum is not supported"),
+        ({"op": hvd.Min}, NotImplementedError, "Average or Sum"),
+        (
+            {"op": hvd.Sum, "gradient_predivide_factor": 2.0},
+            ValueError,
+            "gradient_predivide_factor not supported with op != Average",
+        ),
+        ({"gradient_predivide_factor": 0.0}, ValueError, "must be > 0"),
+        ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be"),
+        ({"backward_passes_per_step": 1.5}, ValueError, "backward_passes_per_step must be"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
+        ({"compression": "fp16"}, TypeError, "compression: expected hvd.Compression"),
+        ({"process_set": 1}, NotImplementedError, "process sets"),
+        ({"named_parameters": [("a", p) for _, p in named]}, ValueError, "Found duplicates: a"),
+        ({"named_parameters": named[:2]}, ValueError, "were not named"),
+        ({"named_parameters": [p for _, p in named]}, ValueError, "sequence of tuples"),
+    ]
+    for kwargs, error, text in cases:
+        kwargs = {"optimizer": sgd, **kwargs}
+        with pytest.raises(error, match=text):
+            hvd.DistributedOptimizer(**kwargs)
+    opt = hvd.DistributedOptimizer(sgd)
+    with pytest.raises(ValueError, match="already distributed"):
+        hvd.DistributedOptimizer(opt)
+
+
+# ---------------------------------------------------------------- the launcher's names
+
+
+def test_launcher_exports_torchrun_names():
+    spec = JobSpec(3, 1, ["python"], "127.0.0.1", 9000)
+    assert spec.role_env("worker", 2)["LOCAL_RANK"] == "2"
+    assert {k: spec.role_env("worker", 1)[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_SIZE")} == {
+        "RANK": "1",
+        "WORLD_SIZE": "3",
+        "LOCAL_SIZE": "3",
+    }
+    assert "RANK" not in spec.role_env("server", 0)
+    # processes round-robin over two hosts: server 0 on a, workers 0, 1, 2 on b, a, b
+    spec.hosts = [Host("a"), Host("b")]
+    got = [
+        (spec.worker_ranks(r)["LOCAL_RANK"], spec.worker_ranks(r)["LOCAL_SIZE"]) for r in range(3)
+    ]
+    assert got == [("0", "2"), ("0", "1"), ("1", "2")]
+
+
+def test_child_task_exports_torchrun_names():
+    one_host = {
+        "DMLC_NUM_WORKER": "2",
+        "OMPI_COMM_WORLD_SIZE": "3",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+    }
+    assert worker_ranks(one_host, 1) == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_SIZE": "2",
+    }
+    two_hosts = {**one_host, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert worker_ranks(two_hosts, 1) == {"RANK": "1", "WORLD_SIZE": "2"}
+    assert worker_ranks({"DMLC_NUM_WORKER": "4", "SLURM_NNODES": "1"}, 3)["LOCAL_RANK"] == "3"
