@@ -1,0 +1,268 @@
+"""kvstore.torch with W=2 workers through launch.py, against one process.
+
+One job (this file run as the worker script) trains every scenario and checks the
+collectives; the tests compare its saved weights with plain torch on one process with the
+union batch. Horovod's pytorch_mnist.py runs through the launcher to the accuracy of one
+process on the union batch.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS, BATCH, STEPS = 2, 6, 4
+
+# name: (optimizer, backward_passes_per_step, DistributedOptimizer kwargs, rtol, atol).
+# Adam divides by sqrt(v): summation order alone moves a step by ~1e-6 where v is small.
+# fp16: every gradient is rounded to float16 (11 significant bits) before the sum.
+SCENARIOS = {
+    "sgd": ("sgd", 1, {}, 1e-5, 1e-6),
+    "adam": ("adam", 1, {}, 1e-4, 1e-5),
+    "sgd_passes": ("sgd", 2, {}, 1e-5, 1e-6),
+    "adam_passes_buckets": ("adam", 3, {"bucket_cap_mb": 2e-3}, 1e-4, 1e-5),
+    "sgd_buckets": ("sgd", 1, {"bucket_cap_mb": 2e-3}, 1e-5, 1e-6),
+    "sgd_fp16": ("sgd", 1, {"compression": "fp16", "bucket_cap_mb": 2e-3}, 2e-3, 5e-4),
+}
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 5),
+    )
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def union_batches(passes):
+    """Every step's batches of WORKERS x BATCH, one per backward pass."""
+    g = torch.Generator().manual_seed(5)
+    n = WORKERS * BATCH
+    return [
+        [(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g))]
+        for _ in range(STEPS * passes)
+    ]
+
+
+def train(name, rank=None):
+    """One scenario. ``rank`` None: plain torch on the union batch; else this worker's share
+    through kvstore.torch."""
+    opt_name, passes, kwargs, _, _ = SCENARIOS[name]
+    m = model()
+    opt = make_optimizer(opt_name, m.parameters())
+    if rank is not None:
+        import kvstore.torch as hvd
+
+        kwargs = dict(kwargs)
+        if kwargs.get("compression") == "fp16":
+            kwargs["compression"] = hvd.Compression.fp16
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=m.named_parameters(), backward_passes_per_step=passes, **kwargs
+        )
+    data = union_batches(passes)
+    for s in range(STEPS):
+        opt.zero_grad()
+        for [(x, y)] in data[s * passes : (s + 1) * passes]:
+            if rank is not None:
+                x, y = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return {k: v.detach().numpy() for k, v in m.state_dict().items()}
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def collectives(hvd) -> dict:
+    """Every collective with rank-dependent values; the results, checked by the test."""
+    import os
+
+    r = hvd.rank()
+    out = {
+        "identity": [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()],
+        "env": [os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE")],
+        "average": hvd.allreduce(torch.tensor([r + 1.0, 2.0 * r])).tolist(),
+        "sum": hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, name="s").tolist(),
+        "int_average": hvd.allreduce(torch.tensor([r + 2])).tolist(),
+        "fp16": hvd.allreduce(torch.tensor([1.0 / 3 + r]), compression=hvd.Compression.fp16)
+        .double()
+        .tolist(),
+        "gather": hvd.allgather(torch.full((r + 1, 2), r)).tolist(),
+        "object": hvd.broadcast_object({"from": r, "list": [r] * 3}, root_rank=1),
+    }
+    try:
+        hvd.allgather(torch.zeros(1, 3 + r))
+    except ValueError as exc:
+        out["gather_error"] = str(exc)
+    # parameters: rank 1's, twice (a new value the second time)
+    m = model()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(r + 1)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=1)
+    first = [float(p.sum()) for p in m.parameters()]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(10 * r)
+    hvd.broadcast_parameters(m.named_parameters(), root_rank=1)
+    out["params"] = [first, [float(p.sum()) for p in m.parameters()]]
+    # optimizer state: rank 0 has stepped (lr changed too), rank 1 is fresh
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    if r == 0:
+        m(torch.ones(1, 1, 8, 8)).sum().backward()
+        opt.step()
+        opt.param_groups[0]["lr"] = 0.5
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state_dict()
+    out["opt_state"] = [
+        state["param_groups"][0]["lr"],
+        len(state["state"]),
+        float(sum(s["exp_avg"].abs().sum() for s in state["state"].values())),
+    ]
+    # join: rank 1 runs out of data first; rank 0 goes on alone (rank 1 counts as zeros)
+    m = model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters()
+    )
+    hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after_join")  # keys exist before a join
+    if r == 0:
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        opt.synchronize()  # averaged with rank 1's zeros
+        out["join_grad"] = sorted({float(v) for p in m.parameters() for v in p.grad.flatten()})
+        out["join_sum"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after_join").tolist()
+    else:
+        out["join_last"] = hvd.join()
+    if r == 0:
+        out["join_last"] = hvd.join()
+    return out
+
+
+def worker(outdir: str) -> int:
+    import kvstore.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    out = Path(outdir)
+    for name in SCENARIOS:
+        np.savez(out / f"{name}.{hvd.rank()}.npz", **train(name, hvd.rank()))
+    (out / f"collectives.{hvd.rank()}.json").write_text(json.dumps(collectives(hvd)))
+    return 0  # no shutdown: the store closes at exit, as in a Horovod script
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def launch(*command, timeout=240):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "-n",
+            str(WORKERS),
+            "-s",
+            "1",
+            "--launcher",
+            "local",
+            "--env",
+            "KVSTORE_HEARTBEAT_INTERVAL=0.5",
+            sys.executable,
+            *map(str, command),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_dist")
+    launch(__file__, out)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_workers_match_one_process_on_the_union_batch(job, name):
+    rtol, atol = SCENARIOS[name][3:]
+    one = train(name)
+    for rank in range(WORKERS):
+        dist = dict(np.load(job / f"{name}.{rank}.npz"))
+        assert dist.keys() == one.keys()
+        for k in one:
+            np.testing.assert_allclose(dist[k], one[k], rtol=rtol, atol=atol, err_msg=k)
+    if "fp16" in name:  # within the tolerance, but rounded
+        assert any(not np.allclose(dist[k], one[k], rtol=1e-6, atol=1e-7) for k in one)
+
+
+def test_collectives_across_workers(job):
+    got = [json.loads((job / f"collectives.{r}.json").read_text()) for r in range(WORKERS)]
+    for r, g in enumerate(got):
+        assert g["identity"] == [r, 2, r, 2]
+        assert g["env"] == [str(r), "2", str(r), "2"]
+        assert g["average"] == [1.5, 1.0]
+        assert g["sum"] == [3.0]
+        assert g["int_average"] == [2]  # (2 + 3) // 2
+        assert g["fp16"] == pytest.approx([1 / 3 + 0.5], rel=1e-3)
+        assert g["gather"] == [[0, 0], [1, 1], [1, 1]]
+        assert g["object"] == {"from": 1, "list": [1, 1, 1]}
+        assert "rank 0: (1, 3), rank 1: (1, 4)" in g["gather_error"]
+        sums = [float(2 * p.numel()) for p in model().parameters()]
+        assert g["params"] == [sums, [s * 5 for s in sums]]
+        assert g["opt_state"][:2] == [0.5, 8] and g["opt_state"][2] > 0
+        assert g["join_last"] == 0
+    assert got[0]["join_grad"] == [0.5]  # rank 1 joined: its zeros in the average
+    assert got[0]["join_sum"] == [1.0, 1.0]
+
+
+def mnist_accuracy(out: str) -> list[float]:
+    return [
+        float(line.split("Accuracy: ")[1].rstrip("%\n"))
+        for line in out.splitlines()
+        if "Test set: Average loss" in line
+    ]
+
+
+def test_horovod_mnist_example_matches_one_process():
+    example = ROOT / "examples" / "pytorch_mnist.py"
+    assert "import kvstore.torch as hvd" in example.read_text()
+    assert "horovod.torch" not in example.read_text().split("import argparse")[1]
+    one = subprocess.run(
+        [sys.executable, str(example), "--epochs", "2", "--batch-size", "128", "--lr", "0.05"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    # W=2 workers with half the batch each; the script scales lr by hvd.size()
+    dist = launch(example, "--epochs", "2", "--batch-size", "64", "--lr", "0.025")
+    acc_one, acc_dist = mnist_accuracy(one.stdout), mnist_accuracy(dist)
+    assert len(acc_one) == len(acc_dist) == 2, dist
+    assert acc_one[-1] >= 95 and abs(acc_dist[-1] - acc_one[-1]) <= 3, (acc_one, acc_dist)
+    assert "Traceback" not in dist and "Exception ignored" not in dist
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1]))
