@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -77,6 +78,12 @@ def label(args) -> str:
 
 # ---------------------------------------------------------------- the driver
 
+SECURITY = {  # --security: what the job runs with (see kvstore.auth)
+    "auth": {"KVSTORE_SECRET": secrets.token_hex(32)},
+    "encrypt": {"KVSTORE_SECRET": secrets.token_hex(32), "KVSTORE_ENCRYPT": "1"},
+    "none": {"KVSTORE_INSECURE": "1"},
+}
+
 
 def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
     env = dict(
@@ -87,6 +94,7 @@ def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
         DMLC_NUM_WORKER=str(args.workers),
         DMLC_NODE_HOST="127.0.0.1",
         PYTHONPATH=str(ROOT),
+        **SECURITY[args.security],
     )
     procs = []
     try:
@@ -221,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=5.0, help="seconds per measurement at most")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-gloo", action="store_true")
+    p.add_argument(
+        "--security", choices=sorted(SECURITY), default="auth", help="default: auth (as jobs run)"
+    )
     p.add_argument("--no-compression", action="store_true")
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)

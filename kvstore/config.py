@@ -33,6 +33,10 @@ class Config:
     bigarray_bound: int = 1_000_000
     server_port: int = 0
     rank_hint: int = -1
+    secret: bytes = b""  # the job's secret; empty only with insecure
+    insecure: bool = False  # KVSTORE_INSECURE=1: no authentication, no encryption
+    encrypt: bool = False  # KVSTORE_ENCRYPT=1: CURVE on the data connections too
+    max_message: int = 2**32  # bytes in one frame a server accepts (ZMQ_MAXMSGSIZE)
 
     @property
     def scheduler_address(self) -> str:
@@ -73,8 +77,52 @@ class Config:
             ),
             server_port=_number(env, "KVSTORE_SERVER_PORT", 0, int, low=0, high=65535),
             rank_hint=_number(env, "KVSTORE_RANK", -1, int, low=-1),
+            secret=_secret(env),
+            insecure=_flag(env, "KVSTORE_INSECURE"),
+            encrypt=_flag(env, "KVSTORE_ENCRYPT"),
+            max_message=_number(env, "KVSTORE_MAX_MESSAGE", 2**32, int, low=1024),
         )
+        if not cfg.secret and not cfg.insecure:
+            raise ValueError(
+                "no job secret: every process of a job needs the same KVSTORE_SECRET (or "
+                "KVSTORE_SECRET_FILE, a file only its owner can read). launch.py makes one; "
+                "by hand: export KVSTORE_SECRET=$(python -c 'import secrets; "
+                "print(secrets.token_hex(32))'). KVSTORE_INSECURE=1 runs without "
+                "authentication (anyone who reaches a port can join the job)"
+            )
+        if cfg.insecure and cfg.encrypt:
+            raise ValueError("KVSTORE_ENCRYPT=1 needs authentication: unset KVSTORE_INSECURE")
         return cfg
+
+
+def _flag(env, name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={env[name]!r}: expected 1 or 0")
+
+
+def _secret(env) -> bytes:
+    """The job secret: KVSTORE_SECRET, else the contents of KVSTORE_SECRET_FILE."""
+    value = env.get("KVSTORE_SECRET", "")
+    path = env.get("KVSTORE_SECRET_FILE", "")
+    if not value and path:
+        try:
+            mode = os.stat(path).st_mode
+            if mode & 0o077:
+                raise ValueError(
+                    f"KVSTORE_SECRET_FILE={path!r} can be read by other users "
+                    f"(mode {mode & 0o777:o}): chmod 600 it"
+                )
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"KVSTORE_SECRET_FILE={path!r}: {exc.strerror}") from None
+    if value and len(value) < 16:
+        raise ValueError("KVSTORE_SECRET is too short: use at least 16 characters (32 hex bytes)")
+    return value.encode()
 
 
 def _require(env, name: str) -> str:

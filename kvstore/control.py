@@ -16,6 +16,7 @@ import time
 
 import zmq
 
+from . import auth
 from .config import Config
 from .errors import KVStoreError
 from .protocol import Message, decode, encode
@@ -25,8 +26,8 @@ _ids = itertools.count(1)
 
 
 class Control:
-    def __init__(self, ctx: zmq.Context, cfg: Config, role: str, port: int):
-        self.cfg, self.role, self.port = cfg, role, port
+    def __init__(self, ctx: zmq.Context, cfg: Config, role: str, port: int, cred: str = ""):
+        self.cfg, self.role, self.port, self.cred = cfg, role, port, cred
         self.ctx = ctx
         endpoint = f"inproc://kvstore-control-{id(self)}"
         self.pipe = ctx.socket(zmq.PAIR)  # belongs to the node's thread
@@ -82,6 +83,8 @@ class Control:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.IDENTITY, f"{self.role}-{os.getpid()}-{id(self)}".encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        auth.control_socket(sock, cfg)
         sock.connect(cfg.scheduler_address)
         sock.send_multipart(
             encode(
@@ -97,6 +100,7 @@ class Control:
                         "num_worker": cfg.num_worker,
                         "pid": os.getpid(),
                         "rank_hint": cfg.rank_hint,
+                        "cred": self.cred,
                     },
                 )
             )

@@ -134,7 +134,28 @@ def _contiguous(array) -> np.ndarray:
 
 
 def decode(frames: list) -> Message:
-    """Parse and validate a frame list (bytes, memoryviews or ``zmq.Frame`` objects)."""
+    """Parse and validate a frame list (bytes, memoryviews or ``zmq.Frame`` objects).
+
+    Whatever the frames hold, the only exception is :class:`ProtocolError`."""
+    try:
+        return _decode(frames)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a case the checks below missed: still the peer's fault
+        raise ProtocolError(f"malformed message ({type(exc).__name__}: {exc})") from None
+
+
+def request_id(frames: list) -> int:
+    """The request id of a message that may not decode, so a refusal can name it (0 if none)."""
+    try:
+        header = msgpack.unpackb(getattr(frames[0], "buffer", frames[0]), strict_map_key=False)
+        msg_id = header.get("id") if isinstance(header, dict) else None
+        return msg_id if type(msg_id) is int and 0 <= msg_id < 2**63 else 0
+    except Exception:
+        return 0
+
+
+def _decode(frames: list) -> Message:
     if not frames:
         raise ProtocolError("empty message: expected a header frame")
     buffers = [getattr(f, "buffer", f) for f in frames]
@@ -145,19 +166,25 @@ def decode(frames: list) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
     version = header.get("v")
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:
         raise ProtocolError(
             f"protocol version {version!r} is not supported (this node speaks "
             f"{VERSION}); run the same kvstore version on every node"
         )
     kind = header.get("k")
-    if kind not in SCHEMA:
+    if type(kind) is not str or kind not in SCHEMA:
         raise ProtocolError(f"unknown message kind {kind!r}")
     msg_id, sender, body, specs = (header.get(f) for f in ("id", "from", "b", "a"))
-    if not isinstance(msg_id, int) or not isinstance(sender, str) or not isinstance(body, dict):
+    if (
+        type(msg_id) is not int
+        or not 0 <= msg_id < 2**63
+        or not isinstance(sender, str)
+        or not isinstance(body, dict)
+    ):
         raise ProtocolError(f"{kind}: header needs int 'id', str 'from' and map 'b'")
     for name, types in SCHEMA[kind].items():
-        if not isinstance(body.get(name), types):
+        value = body.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(
                 f"{kind}: field {name!r} missing or not {'/'.join(t.__name__ for t in types)}"
             )
@@ -165,7 +192,9 @@ def decode(frames: list) -> Message:
         _check_keys(kind, body["keys"])
     if not isinstance(specs, list):
         raise ProtocolError(f"{kind}: header field 'a' must be a list of arrays")
-    used = {spec[2] for spec in specs if isinstance(spec, list) and len(spec) == 4}
+    for spec in specs:
+        _check_spec(kind, spec, len(buffers))
+    used = {spec[2] for spec in specs}
     if used != set(range(1, len(buffers))):
         raise ProtocolError(
             f"{kind}: header describes arrays in {len(used)} frames but "
@@ -178,6 +207,35 @@ def decode(frames: list) -> Message:
     return Message(kind, msg_id, sender, body, arrays)
 
 
+MAX_DIMS = 32  # NumPy's limit before 2.0
+MAX_DIM = 2**48  # elements along one axis: more than any frame can hold
+
+
+def _check_spec(kind: str, spec, frames: int) -> None:
+    if (
+        not isinstance(spec, list)
+        or len(spec) != 4
+        or not isinstance(spec[0], str)
+        or len(spec[0]) > 16
+        or not isinstance(spec[1], list)
+        or len(spec[1]) > MAX_DIMS
+        or not all(type(n) is int and 0 <= n <= MAX_DIM for n in spec[1])
+        or type(spec[2]) is not int
+        or spec[2] < 1
+        or type(spec[3]) is not int
+        or spec[3] < 0
+    ):
+        raise ProtocolError(
+            f"{kind}: bad array description {spec!r:.200}: expected [dtype, shape "
+            f"(at most {MAX_DIMS} sizes), frame index (1 or more), byte offset]"
+        )
+    if spec[2] >= frames:
+        raise ProtocolError(
+            f"{kind}: an array in frame {spec[2]} but {frames - 1} array frames arrived "
+            "(truncated message?)"
+        )
+
+
 def _check_keys(kind: str, keys: list) -> None:
     for key in keys:
         if (
@@ -185,33 +243,33 @@ def _check_keys(kind: str, keys: list) -> None:
             or len(key) != 2
             or not isinstance(key[0], _KEY)
             or isinstance(key[0], bool)
-            or not isinstance(key[1], int)
+            or type(key[1]) is not int
+            or key[1] < 0
         ):
-            raise ProtocolError(f"{kind}: each key must be [int or str, part index], got {key!r}")
+            raise ProtocolError(
+                f"{kind}: each key must be [int or str, part index], got {key!r:.200}"
+            )
 
 
 def _array(kind: str, spec, buffers, sizes) -> np.ndarray:
+    dtype_str, shape, frame, offset = spec
     try:
-        dtype_str, shape, frame, offset = spec
         dtype = _dtype(dtype_str)
-        shape = tuple(shape)
-        count = math.prod(shape)
     except Exception:
-        raise ProtocolError(f"{kind}: bad array description {spec!r}") from None
-    if (
-        dtype.kind not in _DTYPE_KINDS
-        or not all(type(n) is int and n >= 0 for n in shape)
-        or type(offset) is not int
-        or offset < 0
-    ):
-        raise ProtocolError(f"{kind}: bad array description {spec!r}")
+        raise ProtocolError(f"{kind}: bad dtype {dtype_str!r}") from None
+    if dtype.kind not in _DTYPE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise ProtocolError(f"{kind}: dtype {dtype_str!r} is not a plain number type")
+    count = math.prod(shape)
+    if math.prod(n for n in shape if n) > MAX_DIM:
+        raise ProtocolError(f"{kind}: shape {shape!r:.200} is too big")
     size = sizes[frame]
     if offset + dtype.itemsize * count > size:
         raise ProtocolError(
             f"{kind}: array of {dtype.itemsize * count} bytes at offset {offset} does not fit "
             f"its frame of {size} bytes (truncated frame?)"
         )
-    return np.frombuffer(buffers[frame], dtype=dtype, count=count, offset=offset).reshape(shape)
+    array = np.frombuffer(buffers[frame], dtype=dtype, count=count, offset=offset)
+    return array.reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)

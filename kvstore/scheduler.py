@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import zmq
 
+from . import auth, transport
 from .config import Config, setup_logging
-from .protocol import Message, ProtocolError, decode, encode, error_reply
+from .protocol import Message, ProtocolError, decode, error_reply, request_id
 
 log = logging.getLogger("kvstore.scheduler")
 
@@ -40,6 +41,7 @@ class Node:
     rank_hint: int = -1
     rank: int = -1
     finalized: bool = False
+    cred: str = ""  # a worker's token or a node's CURVE public key (see kvstore.auth)
 
     @property
     def name(self) -> str:
@@ -51,9 +53,15 @@ class Scheduler:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.ctx = zmq.Context()
+        self.gate = None
+        if not cfg.insecure:
+            self.gate = auth.Gate(self.ctx, "scheduler")
+            self.gate.allow_job(cfg)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # control messages only
+        auth.scheduler_socket(self.sock, cfg)
         try:
             self.sock.bind(f"tcp://{bind_host(cfg.root_uri)}:{cfg.root_port}")
         except zmq.ZMQError as exc:
@@ -78,6 +86,8 @@ class Scheduler:
         self.join_acks = 0  # servers' acks of the joins so far
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
         self.sock.close()
         self.ctx.term()
 
@@ -86,8 +96,8 @@ class Scheduler:
         if self.cfg.verbose >= 2:
             log.debug("send %s to %s", msg.kind, identity)
         try:
-            self.sock.send_multipart([identity, *encode(msg)])
-        except zmq.ZMQError as exc:  # the peer is gone; heartbeats will say so
+            transport.send(self.sock, msg, route=identity)
+        except zmq.ZMQError as exc:  # gone, or not reading (queue full): never wait for it
             log.info("could not send %s to %r: %s", msg.kind, identity, exc.strerror)
 
     def _error(self, identity, request, text) -> None:
@@ -111,10 +121,21 @@ class Scheduler:
         )
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self.gate is not None:
+            poller.register(self.gate.sock, zmq.POLLIN)
+            poller.register(self.gate.watch(self.sock), zmq.POLLIN)
         tick = max(0.005, self.cfg.heartbeat_interval / 4)
         while True:
-            if poller.poll(tick * 1000):
-                identity, *frames = self.sock.recv_multipart()
+            events = dict(poller.poll(tick * 1000))
+            if self.gate is not None and self.gate.sock in events:
+                self.gate.handle()
+            if self.gate is not None and self.gate.monitor in events:
+                self.gate.handle_event()
+            for _ in range(64 if self.sock in events else 0):
+                try:
+                    identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
                 status = self._handle(identity, frames)
                 if status is not None:
                     return status
@@ -126,8 +147,17 @@ class Scheduler:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
-            self._error(identity, Message("error"), f"scheduler: bad message: {exc}")
+            bad = Message("error", request_id(frames))
+            self._error(identity, bad, f"scheduler: bad message from {identity!r:.60}: {exc}")
             return None
+        try:
+            return self._dispatch(identity, msg)
+        except Exception as exc:  # the scheduler never dies of what a peer sent
+            log.exception("scheduler: %s from %r failed", msg.kind, identity)
+            self._error(identity, msg, f"scheduler: {msg.kind} refused: {type(exc).__name__}")
+            return None
+
+    def _dispatch(self, identity: bytes, msg: Message) -> int | None:
         if self.cfg.verbose >= 2:
             log.debug("recv %s from %s", msg.kind, msg.sender or identity)
         node = self.nodes.get(identity)
@@ -213,7 +243,10 @@ class Scheduler:
                     f"{'SERVER' if b['role'] == 'server' else 'WORKER'}={wanted})"
                 ),
             )
-        hint = b.get("rank_hint", -1)
+        hint, cred = b.get("rank_hint", -1), b.get("cred", "")
+        needed = not self.cfg.insecure and (b["role"] == "worker" or self.cfg.encrypt)
+        if not isinstance(cred, str) or len(cred) > 128 or (needed and not cred):
+            return self._error(identity, msg, "scheduler: registration without a credential")
         self.nodes[identity] = Node(
             identity,
             b["role"],
@@ -221,7 +254,8 @@ class Scheduler:
             b["port"],
             b["pid"],
             time.monotonic(),
-            hint if isinstance(hint, int) else -1,
+            hint if type(hint) is int else -1,
+            cred=cred,
         )
         log.info(
             "registered %s at %s:%d (%d/%d %ss)",
@@ -248,21 +282,23 @@ class Scheduler:
             (n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank
         )
         book = [[n.host, n.port] for n in servers]
+        workers = sorted(
+            (n for n in self.nodes.values() if n.role == "worker"), key=lambda n: n.rank
+        )
+        # Servers learn every worker's credential, workers the servers' public keys (CURVE).
+        creds = {
+            "server": {"workers": [n.cred for n in workers]},
+            "worker": {"server_keys": [n.cred for n in servers]},
+        }
         for node in self.nodes.values():
-            self._send(
-                node.identity,
-                Message(
-                    "book",
-                    0,
-                    "scheduler",
-                    {
-                        "rank": node.rank,
-                        "servers": book,
-                        "num_server": self.cfg.num_server,
-                        "num_worker": self.cfg.num_worker,
-                    },
-                ),
-            )
+            body = {
+                "rank": node.rank,
+                "servers": book,
+                "num_server": self.cfg.num_server,
+                "num_worker": self.cfg.num_worker,
+                **creds[node.role],
+            }
+            self._send(node.identity, Message("book", 0, "scheduler", body))
         self.ready = True
         log.info("all %d nodes registered; address book sent", len(self.nodes))
 

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from . import auth, transport
 from . import optimizer as opt
-from . import transport
 from .compression import Compression, packed_size
 from .config import Config, setup_logging
 from .control import Control
 from .errors import KVStoreError
 from .memory import tune_allocator
-from .protocol import Message, ProtocolError, decode, error_reply
+from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
 
 log = logging.getLogger("kvstore.server")
@@ -54,9 +54,13 @@ class Server:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.ctx = zmq.Context()
+        self.gate = None if cfg.insecure else auth.Gate(self.ctx, "server")
+        self.cred = auth.Credential.make(cfg) if cfg.encrypt else auth.Credential("")
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message)
+        auth.server_socket(self.sock, cfg, self.cred)
         try:
             if cfg.server_port:
                 self.sock.bind(f"tcp://{cfg.node_host}:{cfg.server_port}")
@@ -70,7 +74,7 @@ class Server:
                 f"server cannot listen on {cfg.node_host}:{cfg.server_port or '*'}: "
                 f"{exc.strerror}; free the port or change KVSTORE_SERVER_PORT"
             ) from None
-        self.control = Control(self.ctx, cfg, "server", self.port)
+        self.control = Control(self.ctx, cfg, "server", self.port, self.cred.public)
         self.num_workers = cfg.num_worker
         self.stored: dict[tuple, np.ndarray] = {}  # (key, part) -> flat value
         self.sending: dict[tuple, list] = {}  # (key, part) -> sends still reading it
@@ -104,14 +108,28 @@ class Server:
             return 1
         self.rank = book.body["rank"]
         self.name = f"server {self.rank} ({self.cfg.node_host}:{self.port})"
+        if self.gate is not None:
+            self.gate.name = self.name
+            workers = book.body.get("workers")
+            if not isinstance(workers, list) or len(workers) != self.num_workers:
+                log.error("%s: the scheduler's book lacks the workers' credentials", self.name)
+                return 1
+            self.gate.allow_workers(self.cfg, workers)
         log.info("%s ready for %d workers", self.name, self.num_workers)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.control.pipe, zmq.POLLIN)
+        if self.gate is not None:
+            poller.register(self.gate.sock, zmq.POLLIN)
+            poller.register(self.gate.watch(self.sock), zmq.POLLIN)
         tick = min(0.1, self.cfg.round_timeout / 4)
         next_tick = time.monotonic() + tick
         while True:
             events = dict(poller.poll(tick * 1000))
+            if self.gate is not None and self.gate.sock in events:
+                self.gate.handle()
+            if self.gate is not None and self.gate.monitor in events:
+                self.gate.handle_event()
             if self.sock in events:
                 for _ in range(64):  # drain a burst before looking at anything else
                     try:
@@ -132,6 +150,8 @@ class Server:
 
     def close(self) -> None:
         self.control.close(finalize=False)
+        if self.gate is not None:
+            self.gate.close()
         self.sock.close(linger=1000)
         self.ctx.term()
 
@@ -233,14 +253,14 @@ class Server:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
-            self._error(identity, Message("error"), f"bad message: {exc}")
+            self._error(identity, Message("error", request_id(frames)), f"bad message: {exc}")
             return
         if self.cfg.verbose >= 2:
             log.debug(
                 "%s: %s %s from %s", self.name, msg.kind, msg.body.get("keys", ""), msg.sender
             )
         try:
-            rank = self._worker_rank(identity)
+            rank = self._worker_rank(identity, frames[0])
             handler = self.handlers.get(msg.kind)
             if handler is None:
                 raise ValueError(f"unexpected message kind {msg.kind!r} from {msg.sender}")
@@ -251,12 +271,19 @@ class Server:
             log.exception("%s: %s failed", self.name, msg.kind)
             self._error(identity, msg, f"{msg.kind} failed: {type(exc).__name__}: {exc}")
 
-    def _worker_rank(self, identity: bytes) -> int:
+    def _worker_rank(self, identity: bytes, frame) -> int:
+        """The rank a request comes from: its routing identity, ``worker-<rank>`` exactly,
+        and (authenticated) the rank whose credential opened the connection."""
         match = _WORKER_ID.fullmatch(identity)
         if match is None or int(match[1]) >= self.num_workers:
             raise ValueError(
-                f"unknown peer {identity!r}: only workers 0..{self.num_workers - 1} "
+                f"unknown peer {identity!r:.60}: only workers 0..{self.num_workers - 1} "
                 "may talk to a server"
+            )
+        if self.gate is not None and frame.get("User-Id") != identity.decode():
+            raise ValueError(
+                f"{identity.decode()} refused: the connection authenticated as "
+                f"{frame.get('User-Id')!r}"
             )
         return int(match[1])
 

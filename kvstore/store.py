@@ -33,6 +33,8 @@ class Meta:
     dtype: np.dtype
 
 
+_NUMBER_KINDS = "biufc"  # not object, str, bytes, void (structured) or datetime arrays
+
 # An argument left out, told apart from a None the caller passed (an error, named as such).
 _ABSENT = object()
 
@@ -54,6 +56,12 @@ def _as_list(value, what: str, key, role: str = "value") -> list:
             raise TypeError(
                 f"{what}(key={key!r}): {name}expected a NumPy or CuPy array (or a list of "
                 f"them, one per device), got {got}"
+            )
+        if a.dtype.kind not in _NUMBER_KINDS or a.dtype.fields is not None:
+            raise TypeError(
+                f"{what}(key={key!r}): dtype {a.dtype} cannot be stored: a KVStore holds "
+                "numbers (bool, int, uint, float or complex arrays); convert it first, "
+                "e.g. array.astype(np.float32)"
             )
     return items
 

@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import transport
+from . import auth, transport
 from .arrays import copy_into, namespace, reduce_sum, to_host
 from .config import Config, setup_logging
 from .control import Control, raise_for
@@ -55,7 +55,8 @@ class DistStore(KVStore):
         self._sync = kind != "dist_async"
         self._on_device = kind == "dist_device_sync"
         self._ctx = zmq.Context()
-        self._control = Control(self._ctx, cfg, "worker", 0)
+        self._cred = auth.Credential.make(cfg)
+        self._control = Control(self._ctx, cfg, "worker", 0, self._cred.public)
         self._closed = False
         self._failure: str | None = None
         self._sockets: list = []
@@ -67,10 +68,12 @@ class DistStore(KVStore):
         self._rank = book.body["rank"]
         self._num_workers = book.body["num_worker"]
         self._servers = [tuple(s) for s in book.body["servers"]]
-        for host, port in self._servers:
+        server_keys = book.body.get("server_keys") or [""] * len(self._servers)
+        for (host, port), key in zip(self._servers, server_keys, strict=True):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"worker-{self._rank}".encode())
             sock.setsockopt(zmq.LINGER, 1000)
+            auth.worker_socket(sock, cfg, self._rank, self._cred, key)
             sock.connect(f"tcp://{host}:{port}")
             self._sockets.append(sock)
         self._poller = zmq.Poller()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ def base_env(num_server: int, num_worker: int, port: int | None = None, **extra)
             "KVSTORE_START_TIMEOUT": "30",
             "KVSTORE_TIMEOUT": "60",
             "KVSTORE_ROUND_TIMEOUT": "30",
+            "KVSTORE_SECRET": secrets.token_hex(32),
         }
     )
     env.update({k: str(v) for k, v in extra.items()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import sys
 
@@ -129,6 +130,9 @@ def make_spec(args, parser) -> JobSpec:
     # Python block-buffers stdout into a pipe: without this, a worker's prints would reach
     # the user only when it exits. A value the user set (here or with --env) wins.
     env["PYTHONUNBUFFERED"] = os.environ.get("PYTHONUNBUFFERED", "1")
+    if not env.get("KVSTORE_INSECURE") and not env.get("KVSTORE_SECRET_FILE"):
+        # One secret per job: only the processes started here can join it (kvstore.auth).
+        env.setdefault("KVSTORE_SECRET", secrets.token_hex(32))
     if args.interface:
         env["DMLC_INTERFACE"] = args.interface
     for item in args.env:

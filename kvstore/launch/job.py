@@ -30,6 +30,7 @@ class Proc:
     where: str = "localhost"
     role: str = ""  # "scheduler", "server", "worker"; "" for one process of many tasks (mpirun)
     prefixed: bool = False  # output already carries role names (mpirun, srun, ...)
+    stdin: bytes = b""  # written to the process's stdin first (ssh: the job secret)
     popen: subprocess.Popen | None = field(default=None, repr=False)
     last_lines: list = field(default_factory=list, repr=False)
 
@@ -66,6 +67,9 @@ class Supervisor:
             raise RuntimeError(
                 f"cannot start {proc.name} ({proc.argv[0]}): {exc.strerror}"
             ) from None
+        if proc.stdin:
+            proc.popen.stdin.write(proc.stdin)
+            proc.popen.stdin.flush()
         self.procs.append(proc)
         self.say(f"started {proc.name} on {proc.where} (pid {proc.popen.pid})")
         reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)

@@ -14,7 +14,7 @@ import tempfile
 
 from .hostfile import place
 from .job import Proc
-from .spec import JobSpec
+from .spec import SECRETS, JobSpec
 
 
 def flavour(mpirun: str = "mpirun") -> str:
@@ -43,13 +43,13 @@ def command(spec: JobSpec, kind: str, hostfile: str | None, as_root: bool) -> li
         argv += ["--oversubscribe"]
         if hostfile:
             argv += ["--hostfile", hostfile]
-        for name, value in sorted(spec.env.items()):
-            argv += ["-x", f"{name}={value}"]
+        for name, value in sorted(spec.env.items()):  # a secret: from the environment only
+            argv += ["-x", name if name in SECRETS else f"{name}={value}"]
     else:
         if hostfile:
             argv += ["-f", hostfile]
         for name, value in sorted(spec.env.items()):
-            argv += ["-genv", name, str(value)]
+            argv += ["-genvlist", name] if name in SECRETS else ["-genv", name, str(value)]
     return argv + spec.child_command()
 
 

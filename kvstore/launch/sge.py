@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from .job import Proc
-from .spec import JobSpec
+from .spec import SECRETS, JobSpec
 
 
 def script(spec: JobSpec) -> str:
@@ -20,7 +20,7 @@ def script(spec: JobSpec) -> str:
 
 
 def command(spec: JobSpec, script_path: str, queue: str | None = None) -> list[str]:
-    env = ",".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
+    env = ",".join(k if k in SECRETS else f"{k}={v}" for k, v in sorted(spec.env.items()))
     argv = [
         "qsub",
         "-cwd",

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from .hostfile import Host
 
+# Never written on a command line (where `ps` shows it): passed in the environment, or on
+# ssh's stdin.
+SECRETS = frozenset({"KVSTORE_SECRET"})
+
 
 @dataclass
 class JobSpec:

@@ -15,7 +15,7 @@ import subprocess
 
 from .hostfile import Host, place
 from .job import Proc
-from .spec import JobSpec
+from .spec import SECRETS, JobSpec
 
 # Run CMD in the background, stop it when ssh's stdin closes, exit with its status. (A
 # background job's stdin is /dev/null unless redirected, hence the copy on fd 3.)
@@ -35,10 +35,14 @@ def ssh_argv(spec: JobSpec, host: Host) -> list[str]:
 
 
 def remote_command(spec: JobSpec, env: dict, argv: list[str]) -> str:
+    """The remote shell command. The job secret is not in it (``ps`` on the host would show
+    it): it arrives as the first line of ssh's stdin (see :func:`processes`)."""
     workdir = spec.sync_dst_dir or spec.cwd
-    exports = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(env.items()))
+    public = {k: v for k, v in env.items() if k not in SECRETS}
+    exports = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(public.items()))
     cmd = f"cd {shlex.quote(workdir)} && exec env {exports} {shlex.join(argv)}"
-    return "bash -c " + shlex.quote(_WATCH.format(cmd=cmd))
+    read = "".join(f"IFS= read -r {k} && export {k} && " for k in sorted(SECRETS & set(env)))
+    return "bash -c " + shlex.quote(read + _WATCH.format(cmd=cmd))
 
 
 def processes(spec: JobSpec) -> list[Proc]:
@@ -47,7 +51,8 @@ def processes(spec: JobSpec) -> list[Proc]:
     for (role, rank), host in zip(spec.roles(), hosts, strict=True):
         env = {**spec.role_env(role, rank), "DMLC_NODE_HOST": host.name}
         argv = [*ssh_argv(spec, host), remote_command(spec, env, spec.role_command(role))]
-        procs.append(Proc(f"{role} {rank}", argv, None, host.name, role=role))
+        stdin = "".join(f"{env[k]}\n" for k in sorted(SECRETS & set(env))).encode()
+        procs.append(Proc(f"{role} {rank}", argv, None, host.name, role=role, stdin=stdin))
     return procs
 
 

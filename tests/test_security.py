@@ -1,0 +1,94 @@
+"""Authentication by default: only the job's own processes register, connect to a server, or
+have a message acted on; each worker acts only as its own rank."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import zmq
+
+from kvstore import auth
+from kvstore.protocol import Message, encode
+
+
+def _register(role="worker"):
+    body = {"role": role, "host": "127.0.0.1", "port": 0, "num_server": 1, "num_worker": 2}
+    return encode(Message("register", 1, "rogue", {**body, "pid": 1, "cred": "x" * 64}))
+
+
+def _server_port(c) -> int:
+    c.wait_for_output("server0", "ready for", 30)
+    return int(re.search(r"server 0 \(127\.0\.0\.1:(\d+)\)", c.output("server0"))[1])
+
+
+def test_rogue_without_the_key_is_refused_by_scheduler_and_server(cluster):
+    c = cluster(1, 2, PS_VERBOSE=1)
+    workers = c.start_workers("loop.py", [400])
+    port = _server_port(c)
+    ctx = zmq.Context()
+    try:
+        rogues = []
+        for kind in ("plain", "curve with a random key"):
+            for where in (c.env["DMLC_PS_ROOT_PORT"], port):
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.identity = b"worker-0"
+                if kind.startswith("curve"):
+                    public, secret = zmq.curve_keypair()
+                    sock.curve_publickey, sock.curve_secretkey = public, secret
+                    sock.curve_serverkey = zmq.curve_keypair()[0]
+                sock.connect(f"tcp://127.0.0.1:{where}")
+                rogues.append(sock)
+                big = [np.full(100, 1e6, np.float32), np.full(2000, 1e6, np.float32)]
+                sock.send_multipart(_register())
+                sock.send_multipart(
+                    encode(Message("push", 5, "worker-0", {"keys": [["w", 0], ["b", 0]]}, big))
+                )
+        assert not any(s.poll(1500) for s in rogues)  # no answer: nothing was acted on
+        assert c.wait(workers, 60) == [0, 0], c.dump()  # loop.py checks every sum exactly
+    finally:
+        for s in rogues:
+            s.close()
+        ctx.term()
+    for name in ("scheduler", "server0"):
+        assert "refused a connection from 127.0.0.1" in c.output(name), c.output(name)
+    for i in range(2):
+        assert "done" in c.output(f"worker{i}")
+
+
+def test_a_worker_cannot_act_as_another_rank(cluster):
+    c = cluster(1, 3)
+    outs = c.run_workers("impostor.py")
+    lines = [line for line in outs[1].splitlines() if ": refused (" in line]
+    assert len(lines) == 5 and "ACCEPTED" not in outs[1], outs[1]
+    assert "worker-2 refused: the connection authenticated as 'worker-1'" in lines[0], lines
+    assert "(no connection)" in lines[1] and "(no connection)" in lines[4], lines
+    assert "unknown peer b'worker-00'" in lines[2] and "unknown peer" in lines[3], lines
+    assert all("after: [3.0, 3.0, 3.0, 3.0]" in o for o in outs[:2]), outs
+
+
+def test_gate_decisions_without_sockets():
+    keys = auth.JobKeys.from_secret(b"s" * 32)
+    allowed = {("CURVE", zmq.utils.z85.decode(keys.node_public)): ("node", None)}
+    allowed[("PLAIN", b"worker-0")] = ("worker-0", b"tok")
+    base = [b"1.0", b"1", b"kvstore", b"127.0.0.1", b""]
+    node = zmq.utils.z85.decode(keys.node_public)
+    assert auth.decide([*base, b"CURVE", node], allowed)[0] == b"200"
+    assert auth.decide([*base, b"CURVE", b"x" * 32], allowed)[0] == b"400"
+    assert auth.decide([*base, b"PLAIN", b"worker-0", b"tok"], allowed) == (
+        b"200",
+        "OK",
+        "worker-0",
+    )
+    assert auth.decide([*base, b"PLAIN", b"worker-0", b"bad"], allowed)[0] == b"400"
+    assert auth.decide([*base, b"PLAIN", b"worker-1", b"tok"], allowed)[0] == b"400"
+    assert auth.decide([*base, b"NULL"], allowed)[0] == b"400"
+    assert auth.decide([b"1.0", b"1", b"other", b"", b"", b"CURVE", node], allowed)[0] == b"400"
+    assert auth.decide([b"garbage"], allowed)[0] == b"400"
+
+
+def test_different_secrets_derive_different_keys():
+    a, b = auth.JobKeys.from_secret(b"a" * 32), auth.JobKeys.from_secret(b"b" * 32)
+    assert a.scheduler_public != b.scheduler_public and a.node_public != b.node_public
+    assert zmq.curve_public(a.node_secret) == a.node_public
