@@ -175,6 +175,14 @@ def interface_address(name: str) -> str:
         ) from None
 
 
+def warn_if_insecure(cfg: Config, log: logging.Logger) -> None:
+    if cfg.insecure:
+        log.warning(
+            "KVSTORE_INSECURE=1: no authentication and no encryption; any process that "
+            "reaches this job's ports can join it, read and change its values"
+        )
+
+
 def setup_logging(verbose: int, prefix: str) -> None:
     """Send the ``kvstore`` logger to stderr, with the node's role in every line."""
     logger = logging.getLogger("kvstore")

@@ -15,6 +15,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import auth
 from .config import Config
@@ -109,19 +110,31 @@ class Control:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(peer, zmq.POLLIN)
+        monitor = None
+        if not cfg.insecure:  # a refused key fails at once, not at the start-up deadline
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
-        registered = finalizing = False
+        registered = finalizing = refused = False
         try:
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    sock.send_multipart(encode(Message("heartbeat", 0, self.role)))
+                    try:  # never wait for a scheduler that does not read
+                        sock.send_multipart(encode(Message("heartbeat", 0, self.role)), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
                     next_beat = now + cfg.heartbeat_interval
                 if registered and not finalizing and now - last_heard > cfg.heartbeat_timeout:
                     silent = now - last_heard
                     peer.send_multipart(encode(_scheduler_failed(cfg, silent)))
                     registered = False  # say it once
                 events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                if monitor is not None and monitor in events:
+                    recv_monitor_message(monitor)
+                    if not registered and not refused:
+                        refused = True  # ZeroMQ retries; say it once
+                        peer.send_multipart(encode(_key_refused(cfg)))
                 if sock in events:
                     frames = sock.recv_multipart()
                     last_heard = time.monotonic()
@@ -142,6 +155,9 @@ class Control:
                         log.info("%s to the scheduler", msg.kind)
                     sock.send_multipart(frames)
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close()
             peer.close(linger=0)
 
@@ -149,6 +165,23 @@ class Control:
 def _scheduler_failed(cfg: Config, silent: float) -> Message:
     node = f"scheduler ({cfg.root_uri}:{cfg.root_port})"
     reason = f"the scheduler sent nothing for {silent:.1f}s"
+    return Message("node_failed", 0, "control", {"node": node, "reason": reason})
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def _key_refused(cfg: Config) -> Message:
+    node = f"scheduler ({cfg.root_uri}:{cfg.root_port})"
+    reason = (
+        "it refused this process's key: every process of a job needs the same KVSTORE_SECRET "
+        "(launch.py gives its processes one; started by hand, export the same value "
+        "everywhere), or KVSTORE_INSECURE=1 everywhere"
+    )
     return Message("node_failed", 0, "control", {"node": node, "reason": reason})
 
 

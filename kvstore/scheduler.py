@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 
 from . import auth, transport
-from .config import Config, setup_logging
+from .config import Config, setup_logging, warn_if_insecure
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 
 log = logging.getLogger("kvstore.scheduler")
@@ -435,6 +435,7 @@ def main() -> int:
         print(f"kvstore.scheduler: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.verbose, "scheduler")
+    warn_if_insecure(cfg, log)
     try:
         scheduler = Scheduler(cfg)
     except OSError as exc:

@@ -30,7 +30,7 @@ import zmq
 from . import auth, transport
 from . import optimizer as opt
 from .compression import Compression, packed_size
-from .config import Config, setup_logging
+from .config import Config, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import KVStoreError
 from .memory import tune_allocator
@@ -380,6 +380,7 @@ def main() -> int:
         print(f"kvstore.server: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.verbose, "server")
+    warn_if_insecure(cfg, log)
     tune_allocator()
     try:
         server = Server(cfg)

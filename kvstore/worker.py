@@ -23,7 +23,7 @@ import zmq
 
 from . import auth, transport
 from .arrays import copy_into, namespace, reduce_sum, to_host
-from .config import Config, setup_logging
+from .config import Config, setup_logging, warn_if_insecure
 from .control import Control, raise_for
 from .errors import KVStoreError
 from .memory import tune_allocator
@@ -44,6 +44,7 @@ def create_dist(kind: str) -> KVStore:
 
         sys.exit((server if cfg.role == "server" else scheduler).main())
     setup_logging(cfg.verbose, "worker")
+    warn_if_insecure(cfg, log)
     tune_allocator()
     return DistStore(kind, cfg)
 

@@ -4,12 +4,18 @@ have a message acted on; each worker acts only as its own rank."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
 
 import numpy as np
+import pytest
 import zmq
 
 from kvstore import auth
 from kvstore.protocol import Message, encode
+
+from .cluster import base_env
 
 
 def _register(role="worker"):
@@ -92,3 +98,40 @@ def test_different_secrets_derive_different_keys():
     a, b = auth.JobKeys.from_secret(b"a" * 32), auth.JobKeys.from_secret(b"b" * 32)
     assert a.scheduler_public != b.scheduler_public and a.node_public != b.node_public
     assert zmq.curve_public(a.node_secret) == a.node_public
+
+
+def test_a_process_with_another_secret_is_told_at_once(cluster):
+    c = cluster(1, 1)
+    env = dict(c.env, DMLC_ROLE="worker", KVSTORE_SECRET="another-job-" + "x" * 20)
+    code = (
+        "import kvstore\ntry:\n    kvstore.create('dist_sync')\n"
+        "except kvstore.KVStoreError as e:\n    print(e)"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "refused this process's key" in done.stdout and "KVSTORE_SECRET" in done.stdout, done
+    assert time.monotonic() - t0 < 15  # not the start-up deadline
+    assert "refused a connection from" in c.output("scheduler")
+
+
+def test_no_secret_is_a_clear_error():
+    env = {k: v for k, v in base_env(1, 1).items() if k != "KVSTORE_SECRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.server"],
+        env=dict(env, DMLC_ROLE="server"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2 and "no job secret" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("mode", [{"KVSTORE_ENCRYPT": "1"}, {"KVSTORE_INSECURE": "1"}])
+def test_encrypted_and_insecure_jobs_compute_the_same_sums(cluster, mode):
+    c = cluster(2, 2, KVSTORE_BIGARRAY_BOUND=2000, **mode)
+    outs = c.run_workers("rounds.py", ["dist_sync", 3, "sgd", "int"])
+    assert all("OK after 3 rounds" in o for o in outs), outs
+    if "KVSTORE_INSECURE" in mode:  # said loudly, by every process
+        assert "KVSTORE_INSECURE=1" in c.output("scheduler") + c.output("server0")
