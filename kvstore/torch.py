@@ -18,12 +18,15 @@ How it works. After :func:`init`, one background thread owns the store and makes
 on it (a KVStore is not thread-safe); the API functions hand it jobs and wait for them.
 :class:`DistributedOptimizer` puts a hook on every parameter; when backward has produced a
 parameter's gradient (``backward_passes_per_step`` times) the hook copies it into its
-bucket, a flat buffer of about ``bucket_cap_mb`` (25 MB, as DDP) holding parameters in
+bucket, a flat buffer of about ``bucket_cap_mb`` (5 MB; DDP's are 25) holding parameters in
 reverse order (the order backward produces them). A full bucket is pushed at once by the
 background thread, which pulls the sum back while backward goes on; ``step()`` (or
 ``synchronize()``) waits for the buckets still in flight and writes the averages into
 ``p.grad``. Buckets leave in the same order on every worker (a full bucket waits for the
-ones before it), so workers can never wait on each other's different keys.
+ones before it), so workers can never wait on each other's different keys. Buckets are
+smaller than DDP's because a server's round is store-and-forward (the whole bucket in, the
+sum, the whole bucket out), where a ring pipelines inside a bucket: on this project's 2-core
+machine ResNet-18's step took 215 ms with 5 MB buckets, 290 ms with 25 MB.
 
 Collectives (``allreduce``, ``allgather``, ``broadcast*``) are sums on the store's keys:
 a broadcast is the root's tensor plus zeros from everyone else (exact), a gather puts each
@@ -842,7 +845,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
     groups=None,
     sparse_as_dense: bool = False,
     process_set=None,
-    bucket_cap_mb: float = 25,
+    bucket_cap_mb: float = 5,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses the average of every worker's gradients.
 

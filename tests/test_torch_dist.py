@@ -264,5 +264,26 @@ def test_horovod_mnist_example_matches_one_process():
     assert "Traceback" not in dist and "Exception ignored" not in dist
 
 
+def test_step_benchmark_smoke():
+    """benchmarks/torch_step.py keeps working (tiny size; no timing is asserted)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "torch_step.py"),
+            *("--steps", "2", "--warmup", "1", "--batch-size", "2", "--image-size", "32"),
+            *("--only", "kvstore", "--only", "ddp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["config"] for r in rows] == ["kvstore.torch", "DDP gloo"]
+    assert all(r["step_s_median"] > 0 and len(r["per_worker_median_s"]) == 2 for r in rows)
+    assert "| kvstore.torch |" in done.stdout
+
+
 if __name__ == "__main__":
     sys.exit(worker(sys.argv[1]))
