@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 from dataclasses import dataclass
 
 ROLES = ("scheduler", "server", "worker")
@@ -27,7 +28,8 @@ class Config:
     verbose: int = 0
     start_timeout: float = 60.0
     request_timeout: float = 600.0
-    round_timeout: float = 300.0
+    round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
+    stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     bigarray_bound: int = 1_000_000
@@ -63,7 +65,8 @@ class Config:
             verbose=_number(env, "PS_VERBOSE", 0, int, low=0, high=2),
             start_timeout=_number(env, "KVSTORE_START_TIMEOUT", 60.0, float, low=0.1),
             request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
-            round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 300.0, float, low=0.1),
+            round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 0.0, float, low=0.0),
+            stall_report=_number(env, "KVSTORE_STALL_REPORT", 60.0, float, low=0.0),
             heartbeat_interval=interval,
             heartbeat_timeout=_number(
                 env, "KVSTORE_HEARTBEAT_TIMEOUT", 5 * interval, float, low=2 * interval
@@ -184,12 +187,35 @@ def warn_if_insecure(cfg: Config, log: logging.Logger) -> None:
 
 
 def setup_logging(verbose: int, prefix: str) -> None:
-    """Send the ``kvstore`` logger to stderr, with the node's role in every line."""
+    """Make the ``kvstore`` logger's records visible in this process, without taking over.
+
+    The library itself only adds a ``NullHandler`` (``kvstore/__init__.py``); this is called
+    by the entry points (scheduler, server) and by ``kvstore.create`` in a worker. Records
+    always propagate to the root logger, so a user's ``logging`` configuration sees them all.
+    While the root logger has no handler (nobody configured logging), a fallback handler
+    writes them to stderr with the node's role in every line; it goes quiet by itself as soon
+    as the application configures logging, so no line is printed twice. The level is set only
+    when ``PS_VERBOSE`` asks for more (1: INFO, 2: DEBUG); else the application's applies
+    (WARNING by default).
+
+    >>> setup_logging(0, "worker")  # doctest: +SKIP
+    """
     logger = logging.getLogger("kvstore")
-    if logger.handlers:
+    logger.propagate = True
+    if verbose:
+        logger.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
+    if any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         return
-    handler = logging.StreamHandler()
+    handler = _FallbackHandler()
     handler.setFormatter(logging.Formatter(f"[%(asctime)s {prefix}] %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
-    logger.propagate = False
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """stderr, but only while the root logger has no handler of its own."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the application configured logging: the record reaches it by propagation
+        self.stream = sys.stderr  # looked up each time, as logging.lastResort does
+        super().emit(record)

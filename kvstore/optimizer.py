@@ -4,9 +4,16 @@ An optimizer is described by a plain spec, ``{"name": "sgd", "params": {...}}``,
 worker can send it to the servers without pickle (:func:`from_spec` rebuilds it). The state an
 optimizer keeps per key lives in an :class:`Updater`, which can save and load it.
 
-Every update first forms the gradient as MXNet does: ``g = rescale_grad * grad``, clipped to
-``[-clip_gradient, clip_gradient]`` when ``clip_gradient`` is set, and (where the formula says
-so) ``+ wd * weight``.
+Every update first forms the gradient as MXNet's kernel for it does: ``g = rescale_grad *
+grad``, clipped to ``[-clip_gradient, clip_gradient]`` when ``clip_gradient`` is set, and
+(where the formula says so) ``+ wd * weight``. The order differs between MXNet's kernels, and
+each optimizer here follows its own: SGD, NAG, AdaGrad, FTRL and LAMB clip before adding
+``wd``; Adam and RMSProp clip ``rescale_grad * grad + wd * weight`` (after adding it).
+``tests/test_mxnet_optimizers.py`` checks every optimizer against trajectories recorded from
+MXNet 1.9.1's own updaters.
+
+``multi_precision=True`` (any optimizer, as MXNet's): a float16 weight is updated through a
+float32 master copy kept in the optimizer state; the float16 value is its rounding.
 
 >>> import numpy as np
 >>> opt = SGD(learning_rate=0.1)
@@ -99,6 +106,7 @@ class Optimizer:
         rescale_grad: float = 1.0,
         clip_gradient: float | None = None,
         lr_scheduler=None,
+        multi_precision: bool = False,
     ):
         if learning_rate < 0 or wd < 0:
             raise ValueError(f"{type(self).__name__}: learning_rate and wd must be >= 0")
@@ -111,18 +119,22 @@ class Optimizer:
         if lr_scheduler is not None and hasattr(lr_scheduler, "base_lr"):
             lr_scheduler.base_lr = self.lr  # as MXNet: the optimizer's rate is the schedule's base
         self.lr_scheduler = lr_scheduler
+        self.multi_precision = bool(multi_precision)
 
     def learning_rate(self, num_update: int) -> float:
         return self.lr if self.lr_scheduler is None else float(self.lr_scheduler(num_update))
 
-    def prepare_grad(self, grad, weight, with_wd: bool):
-        """``rescale_grad * grad``, clipped, ``+ wd * weight`` if ``with_wd`` (a new array)."""
+    def prepare_grad(self, grad, weight, with_wd: bool, clip_after_wd: bool = False):
+        """``rescale_grad * grad``, clipped, ``+ wd * weight`` if ``with_wd`` (a new array);
+        with ``clip_after_wd`` the clip comes last: ``clip(rescale_grad * grad + wd * w)``."""
         xp = namespace(grad)
         g = grad * grad.dtype.type(self.rescale_grad)
-        if self.clip_gradient is not None:
+        if self.clip_gradient is not None and not clip_after_wd:
             xp.clip(g, -self.clip_gradient, self.clip_gradient, out=g)
         if with_wd and self.wd:
             g += weight.dtype.type(self.wd) * weight
+        if self.clip_gradient is not None and clip_after_wd:
+            xp.clip(g, -self.clip_gradient, self.clip_gradient, out=g)
         return g
 
     def create_state(self, weight) -> tuple:
@@ -139,6 +151,8 @@ class Optimizer:
             "clip_gradient": self.clip_gradient,
         }
         params.update({k: getattr(self, k) for k in self._extra})
+        if self.multi_precision:  # only when set: specs of earlier versions stay the same
+            params["multi_precision"] = True
         if self.lr_scheduler is not None:
             if not hasattr(self.lr_scheduler, "spec"):
                 raise TypeError(
@@ -185,6 +199,10 @@ class NAG(SGD):
 
     ``g = clip(rescale_grad * grad) + wd * w``; ``mom = momentum * mom + g``;
     ``w -= lr * (g + momentum * mom)``; without momentum, plain SGD.
+
+    This is MXNet's documented formula. MXNet 1.9's in-place ``nag_mom_update`` kernel departs
+    from it: it writes the new weight before it reads ``w`` for the ``wd * w`` of the second
+    term, so with ``wd > 0`` its trajectory differs slightly; kvstore keeps the documented one.
     """
 
     name = "nag"
@@ -203,7 +221,8 @@ class NAG(SGD):
 class Adam(Optimizer):
     """Adam, as MXNet's Adam with bias correction folded into the rate.
 
-    ``g = clip(rescale_grad * grad) + wd * w``; ``m = beta1 m + (1 - beta1) g``;
+    ``g = clip(rescale_grad * grad + wd * w)`` (MXNet's ``adam_update`` clips after adding the
+    weight decay); ``m = beta1 m + (1 - beta1) g``;
     ``v = beta2 v + (1 - beta2) g**2``; ``lr_t = lr sqrt(1 - beta2**t) / (1 - beta1**t)``;
     ``w -= lr_t m / (sqrt(v) + epsilon)``.
     """
@@ -228,7 +247,7 @@ class Adam(Optimizer):
 
     def update(self, weight, grad, state, lr, t):
         xp, f = namespace(weight), weight.dtype.type
-        g = self.prepare_grad(grad, weight, with_wd=True)
+        g = self.prepare_grad(grad, weight, with_wd=True, clip_after_wd=True)
         mean, var = state
         mean *= f(self.beta1)
         mean += f(1 - self.beta1) * g
@@ -269,13 +288,15 @@ class RMSProp(Optimizer):
     """RMSProp, as MXNet's ``rmsprop_update`` (Tieleman & Hinton) and, with ``centered=True``,
     ``rmspropalex_update`` (Graves).
 
-    ``g = clip(rescale_grad * grad) + wd * w``; ``n = gamma1 n + (1 - gamma1) g**2``;
-    plain: ``w -= lr g / sqrt(n + epsilon)``; centered: ``gbar = gamma1 gbar + (1 - gamma1) g``,
-    ``delta = gamma2 delta - lr g / sqrt(n - gbar**2 + epsilon)``, ``w += delta``.
+    ``g = clip(rescale_grad * grad + wd * w)`` (clipped after adding the weight decay, as
+    MXNet's kernels); ``n = gamma1 n + (1 - gamma1) g**2``; plain: ``w -= lr g / sqrt(n +
+    epsilon)``; centered: ``gbar = gamma1 gbar + (1 - gamma1) g``, ``delta = gamma2 delta - lr
+    g / sqrt(n - gbar**2 + epsilon)``, ``w += delta``. ``clip_weights`` then clips ``w`` to
+    ``[-clip_weights, clip_weights]``.
     """
 
     name = "rmsprop"
-    _extra = ("gamma1", "gamma2", "epsilon", "centered")
+    _extra = ("gamma1", "gamma2", "epsilon", "centered", "clip_weights")
 
     def __init__(
         self,
@@ -284,11 +305,15 @@ class RMSProp(Optimizer):
         gamma2: float = 0.9,
         epsilon: float = 1e-8,
         centered: bool = False,
+        clip_weights: float | None = None,
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.gamma1, self.gamma2, self.epsilon = float(gamma1), float(gamma2), float(epsilon)
         self.centered = bool(centered)
+        if clip_weights is not None and clip_weights <= 0:
+            raise ValueError("RMSProp: clip_weights must be > 0 or None")
+        self.clip_weights = None if clip_weights is None else float(clip_weights)
 
     def create_state(self, weight):
         xp = namespace(weight)
@@ -298,19 +323,21 @@ class RMSProp(Optimizer):
 
     def update(self, weight, grad, state, lr, t):
         xp, f = namespace(weight), weight.dtype.type
-        g = self.prepare_grad(grad, weight, with_wd=True)
+        g = self.prepare_grad(grad, weight, with_wd=True, clip_after_wd=True)
         n = state[0]
         n *= f(self.gamma1)
         n += f(1 - self.gamma1) * g * g
         if not self.centered:
             weight -= f(lr) * g / xp.sqrt(n + f(self.epsilon))
-            return
-        _, gbar, delta = state
-        gbar *= f(self.gamma1)
-        gbar += f(1 - self.gamma1) * g
-        delta *= f(self.gamma2)
-        delta -= f(lr) * g / xp.sqrt(n - gbar * gbar + f(self.epsilon))
-        weight += delta
+        else:
+            _, gbar, delta = state
+            gbar *= f(self.gamma1)
+            gbar += f(1 - self.gamma1) * g
+            delta *= f(self.gamma2)
+            delta -= f(lr) * g / xp.sqrt(n - gbar * gbar + f(self.epsilon))
+            weight += delta
+        if self.clip_weights is not None:
+            xp.clip(weight, -self.clip_weights, self.clip_weights, out=weight)
 
 
 class BlockMomentum(Optimizer):
@@ -361,7 +388,188 @@ class BlockMomentum(Optimizer):
             weight[...] = model + f(self.momentum) * delta
 
 
-_OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, AdaGrad, RMSProp, BlockMomentum)}
+class Signum(Optimizer):
+    """Signum (Bernstein et al. 2018), as MXNet's ``signum_update``; with ``momentum=0``,
+    signSGD as MXNet's ``signsgd_update``.
+
+    ``mom = momentum * mom - (1 - momentum) * (wd * w + clip(rescale_grad * grad))``;
+    ``w = (1 - lr * wd_lh) * w + lr * sign(mom)``. signSGD: ``w = (1 - lr * wd) * w - lr *
+    sign(grad)`` (MXNet's kernel: ``rescale_grad`` and ``clip_gradient`` cannot change a sign).
+    """
+
+    name = "signum"
+    _extra = ("momentum", "wd_lh")
+
+    def __init__(
+        self, learning_rate: float = 0.01, momentum: float = 0.9, wd_lh: float = 0.0, **kwargs
+    ):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.momentum, self.wd_lh = float(momentum), float(wd_lh)
+
+    def create_state(self, weight):
+        return (namespace(weight).zeros_like(weight),) if self.momentum else ()
+
+    def update(self, weight, grad, state, lr, t):
+        xp, f = namespace(weight), weight.dtype.type
+        if not self.momentum:
+            weight *= f(1 - lr * self.wd)
+            weight -= f(lr) * xp.sign(grad).astype(weight.dtype)
+            return
+        (mom,) = state
+        g = self.prepare_grad(grad, weight, with_wd=True)  # clip(rescale * grad) + wd * w
+        mom *= f(self.momentum)
+        mom -= f(1 - self.momentum) * g
+        weight *= f(1 - lr * self.wd_lh)
+        weight += f(lr) * xp.sign(mom)
+
+
+class FTRL(Optimizer):
+    """FTRL-Proximal (McMahan et al. 2013), as MXNet's ``Ftrl`` / ``ftrl_update``.
+
+    ``g = clip(rescale_grad * grad)``; ``z += g - (sqrt(n + g**2) - sqrt(n)) * w / lr``;
+    ``n += g**2``; ``w = (sign(z) * lamda1 - z) / ((beta + sqrt(n)) / lr + wd)`` where
+    ``|z| > lamda1``, else 0. MXNet's argument names and defaults (``lamda1`` as spelt there).
+    """
+
+    name = "ftrl"
+    _extra = ("lamda1", "beta")
+
+    def __init__(
+        self, lamda1: float = 0.01, learning_rate: float = 0.1, beta: float = 1.0, **kwargs
+    ):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.lamda1, self.beta = float(lamda1), float(beta)
+
+    def create_state(self, weight):
+        xp = namespace(weight)
+        return (xp.zeros_like(weight), xp.zeros_like(weight))  # z, n
+
+    def update(self, weight, grad, state, lr, t):
+        xp, f = namespace(weight), weight.dtype.type
+        g = self.prepare_grad(grad, weight, with_wd=False)
+        z, n = state
+        z += g - (xp.sqrt(n + g * g) - xp.sqrt(n)) * weight / f(lr)
+        n += g * g
+        weight[...] = (
+            (xp.sign(z) * f(self.lamda1) - z)
+            / ((f(self.beta) + xp.sqrt(n)) / f(lr) + f(self.wd))
+            * (xp.abs(z) > f(self.lamda1))
+        )
+
+
+class AdamW(Optimizer):
+    """AdamW (Loshchilov & Hutter, decoupled weight decay), as MXNet's ``AdamW`` (its fused
+    ``adamw_update`` kernel with ``eta`` the bias-corrected rate).
+
+    ``g = clip(rescale_grad * grad)``; ``m = beta1 m + (1 - beta1) g``; ``v = beta2 v + (1 -
+    beta2) g**2``; ``lr_t = lr sqrt(1 - beta2**t) / (1 - beta1**t)`` (``lr`` itself with
+    ``correct_bias=False``); ``w -= lr_t (m / (sqrt(v) + epsilon) + wd w)``.
+    """
+
+    name = "adamw"
+    _extra = ("beta1", "beta2", "epsilon", "correct_bias")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-6,
+        correct_bias: bool = True,
+        **kwargs,
+    ):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+        self.correct_bias = bool(correct_bias)
+
+    def create_state(self, weight):
+        xp = namespace(weight)
+        return (xp.zeros_like(weight), xp.zeros_like(weight))
+
+    def update(self, weight, grad, state, lr, t):
+        xp, f = namespace(weight), weight.dtype.type
+        g = self.prepare_grad(grad, weight, with_wd=False)
+        mean, var = state
+        mean *= f(self.beta1)
+        mean += f(1 - self.beta1) * g
+        var *= f(self.beta2)
+        var += f(1 - self.beta2) * g * g
+        if self.correct_bias:
+            lr = lr * math.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
+        step = mean / (xp.sqrt(var) + f(self.epsilon))
+        if self.wd:
+            step += f(self.wd) * weight
+        weight -= f(lr) * step
+
+
+class LAMB(Optimizer):
+    """LAMB (You et al. 2019), as MXNet's ``LAMB`` (``lamb_update_phase1`` and ``phase2``).
+
+    ``g = clip(rescale_grad * grad)``; ``m = beta1 m + (1 - beta1) g``; ``v = beta2 v + (1 -
+    beta2) g**2``; ``u = m_hat / (sqrt(v_hat) + epsilon) + wd w`` (``m_hat = m / (1 -
+    beta1**t)``, ``v_hat = v / (1 - beta2**t)``; ``m`` and ``v`` themselves with
+    ``bias_correction=False``); ``r1 = ||w||`` limited to ``[lower_bound, upper_bound]`` when
+    given, ``r2 = ||u||``; ``w -= lr (r1 / r2) u``, or ``lr u`` when ``r1`` or ``r2`` is 0.
+    The norms are over the whole key (on a server, the key's part it holds).
+    """
+
+    name = "lamb"
+    _extra = ("beta1", "beta2", "epsilon", "lower_bound", "upper_bound", "bias_correction")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-6,
+        lower_bound: float | None = None,
+        upper_bound: float | None = None,
+        bias_correction: bool = True,
+        **kwargs,
+    ):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+        self.lower_bound = None if lower_bound is None else float(lower_bound)
+        self.upper_bound = None if upper_bound is None else float(upper_bound)
+        self.bias_correction = bool(bias_correction)
+
+    def create_state(self, weight):
+        xp = namespace(weight)
+        return (xp.zeros_like(weight), xp.zeros_like(weight))
+
+    def update(self, weight, grad, state, lr, t):
+        xp, f = namespace(weight), weight.dtype.type
+        g = self.prepare_grad(grad, weight, with_wd=False)
+        mean, var = state
+        mean *= f(self.beta1)
+        mean += f(1 - self.beta1) * g
+        var *= f(self.beta2)
+        var += f(1 - self.beta2) * g * g
+        if self.bias_correction:
+            m = mean / (f(1) - f(self.beta1) ** t)
+            v = var / (f(1) - f(self.beta2) ** t)
+        else:
+            m, v = mean, var
+        u = m / (xp.sqrt(v) + f(self.epsilon))
+        if self.wd:
+            u += f(self.wd) * weight
+        r1 = float(xp.linalg.norm(weight.ravel()))
+        if self.lower_bound:  # MXNet passes a bound only when it is set and non-zero
+            r1 = max(r1, self.lower_bound)
+        if self.upper_bound:
+            r1 = min(r1, self.upper_bound)
+        r2 = float(xp.linalg.norm(u.ravel()))
+        ratio = 1.0 if r1 == 0 or r2 == 0 else r1 / r2
+        weight -= f(lr * ratio) * u
+
+
+Ftrl = FTRL  # MXNet's class name
+
+
+_OPTIMIZERS = {
+    cls.name: cls
+    for cls in (SGD, NAG, Adam, AdaGrad, RMSProp, BlockMomentum, Signum, FTRL, AdamW, LAMB)
+}
 
 
 def create(name: str, **params) -> Optimizer:
@@ -402,12 +610,21 @@ class Updater:
         self.num_update = 0
 
     def __call__(self, key, grad, weight) -> None:
+        opt = self.optimizer
+        mixed = opt.multi_precision and weight.dtype == np.float16
         if key not in self.states:
-            self.states[key] = self.optimizer.create_state(weight)
+            # multi_precision: (float32 master copy, *the optimizer's state for it), as MXNet
+            master = (weight.astype(np.float32),) if mixed else ()
+            self.states[key] = master + tuple(opt.create_state(master[0] if mixed else weight))
         t = self.counts[key] = self.counts.get(key, 0) + 1
         self.num_update = max(self.num_update, t)
-        lr = self.optimizer.learning_rate(self.num_update)
-        self.optimizer.update(weight, grad, self.states[key], lr, t)
+        lr = opt.learning_rate(self.num_update)
+        if not mixed:
+            opt.update(weight, grad, self.states[key], lr, t)
+            return
+        master, *state = self.states[key]
+        opt.update(master, grad.astype(np.float32), tuple(state), lr, t)
+        weight[...] = master.astype(weight.dtype)
 
     def dumps(self) -> bytes:
         """The state as bytes (msgpack; arrays as raw little-endian buffers)."""

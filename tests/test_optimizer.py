@@ -15,6 +15,11 @@ def prep(g, w, with_wd=True):
     return g + 0.01 * w if with_wd else g
 
 
+def prep_clip_last(g, w):
+    """Adam's and RMSProp's kernels in MXNet clip after adding the weight decay."""
+    return min(max(0.5 * g + 0.01 * w, -0.8), 0.8)
+
+
 def ref_sgd(w, g, s, lr, t):
     g = prep(g, w)
     s["mom"] = 0.9 * s.get("mom", 0.0) - lr * g
@@ -32,7 +37,7 @@ def ref_nag(w, g, s, lr, t):
 
 
 def ref_adam(w, g, s, lr, t):
-    g = prep(g, w)
+    g = prep_clip_last(g, w)
     s["m"] = 0.9 * s.get("m", 0.0) + 0.1 * g
     s["v"] = 0.999 * s.get("v", 0.0) + 0.001 * g * g
     lr_t = lr * math.sqrt(1 - 0.999**t) / (1 - 0.9**t)
@@ -46,13 +51,13 @@ def ref_adagrad(w, g, s, lr, t):
 
 
 def ref_rmsprop(w, g, s, lr, t):
-    g = prep(g, w)
+    g = prep_clip_last(g, w)
     s["n"] = 0.9 * s.get("n", 0.0) + 0.1 * g * g
     return w - lr * g / math.sqrt(s["n"] + 1e-8)
 
 
 def ref_rmsprop_centered(w, g, s, lr, t):
-    g = prep(g, w)
+    g = prep_clip_last(g, w)
     s["n"] = 0.9 * s.get("n", 0.0) + 0.1 * g * g
     s["gb"] = 0.9 * s.get("gb", 0.0) + 0.1 * g
     s["d"] = 0.95 * s.get("d", 0.0) - lr * g / math.sqrt(s["n"] - s["gb"] ** 2 + 1e-8)
@@ -123,7 +128,7 @@ def test_create_by_name():
 @pytest.mark.parametrize(
     "spec,match",
     [
-        ({"name": "lamb"}, "unknown optimizer 'lamb'"),
+        ({"name": "lars"}, "unknown optimizer 'lars'"),
         ({"name": "sgd", "params": {"bogus": 1}}, "bad parameters for optimizer 'sgd'"),
         ("sgd", "optimizer spec must be"),
         ({"name": "sgd", "params": {"lr_scheduler": {"name": "cosine"}}}, "unknown lr_scheduler"),
