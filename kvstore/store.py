@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import optimizer as opt
-from .arrays import copy_into, device_id, is_array, namespace, reduce_sum
+from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
 from .compression import Compression
 
 
@@ -76,6 +76,8 @@ class KVStore:
     >>> out = np.empty(3, np.float32); kv.pull('w', out=out); out
     array([2., 2., 2.], dtype=float32)
     """
+
+    OPTIMIZER = "optimizer"  # MXNet's capability name, for is_capable
 
     def __init__(self, kind: str):
         self._type = kind
@@ -194,7 +196,12 @@ class KVStore:
         items = self._items("init", key, value, need_init=False)
         for item in items:
             if item.key in self._meta:
-                raise ValueError(f"init(key={item.key!r}): key is already initialised")
+                # MXNet's stores refuse it too ("duplicate init of key"); a new value goes in
+                # with push (no optimizer: the pushed sum is stored) or broadcast to new keys
+                raise ValueError(
+                    f"init(key={item.key!r}): duplicate init of key: it is already "
+                    "initialised (init once per key, as in MXNet)"
+                )
             shapes = {tuple(a.shape) for a in item.values}
             if len(shapes) > 1:
                 raise ValueError(f"init(key={item.key!r}): arrays of different shapes {shapes}")
@@ -228,10 +235,127 @@ class KVStore:
         self.pull(key, out=out)
 
     def set_gradient_compression(self, params: dict) -> None:
-        """``{'type': '2bit', 'threshold': 0.5}`` or ``{'type': '1bit'}``; before any push."""
-        if self._pushed:
-            raise ValueError("set_gradient_compression must be called before the first push")
+        """``{'type': '2bit', 'threshold': 0.5}`` or ``{'type': '1bit'}``: every push from now
+        on is compressed (with error feedback from zero), whatever keys exist already; as in
+        MXNet, whose nightly test sets it after other keys were initialised and pushed.
+        Every worker of a job must set the same."""
         self._compression = Compression.from_params(params)
+        self._residuals = {}
+
+    def row_sparse_pull(self, key, out=None, priority: int = 0, row_ids=None) -> None:
+        """Pull only the rows ``row_ids`` of each key into ``out``; the other rows of ``out``
+        become 0 (the dense form of MXNet's RowSparseNDArray result). ``row_ids`` is one
+        1-D integer array for every ``out`` of a key, or a list of them, one per ``out``;
+        ids need not be unique nor sorted. With a list of keys, one such entry per key.
+
+        >>> kv.row_sparse_pull('emb', out=rows, row_ids=np.array([0, 2]))  # doctest: +SKIP
+        """
+        if out is None:
+            raise ValueError("row_sparse_pull: out= is required (one array, or one per device)")
+        if row_ids is None:
+            raise ValueError("row_sparse_pull: row_ids= is required (a 1-D array of row ids)")
+        items = self._items("row_sparse_pull", key, outs=out)
+        single = not isinstance(key, (list, tuple))
+        per_key = [row_ids] if single else row_ids
+        if not single and (not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(items)):
+            raise ValueError("row_sparse_pull: with a list of keys, give one row_ids per key")
+        full = []
+        for item in items:
+            meta = self._meta[item.key]
+            if len(meta.shape) < 1:
+                raise ValueError(f"row_sparse_pull(key={item.key!r}): a 0-d value has no rows")
+            full.append(namespace(item.outs[0]).empty(meta.shape, meta.dtype))
+        self.pull([item.key for item in items], out=full, priority=priority)
+        for item, value, ids in zip(items, full, per_key, strict=True):
+            id_list = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+            if len(id_list) == 1:
+                id_list = id_list * len(item.outs)
+            if len(id_list) != len(item.outs):
+                raise ValueError(
+                    f"row_sparse_pull(key={item.key!r}): {len(id_list)} row_ids for "
+                    f"{len(item.outs)} outputs; give one, or one per output"
+                )
+            for target, rows in zip(item.outs, id_list, strict=True):
+                rows = np.asarray(to_host(rows)).ravel()
+                if rows.size and (rows.dtype.kind not in "iu" and not np.all(rows == rows // 1)):
+                    raise TypeError(f"row_sparse_pull(key={item.key!r}): row ids must be ints")
+                rows = rows.astype(np.int64)
+                n = value.shape[0]
+                if rows.size and (rows.min() < 0 or rows.max() >= n):
+                    raise ValueError(
+                        f"row_sparse_pull(key={item.key!r}): row ids must be in [0, {n}), "
+                        f"got {rows.min()}..{rows.max()}"
+                    )
+                xp = namespace(target)
+                index = xp.asarray(np.unique(rows))
+                target[...] = 0
+                target[index] = value[index]
+
+    def is_capable(self, capability: str) -> bool:
+        """MXNet's capability query: ``'optimizer'`` (updates on the store) is True."""
+        if isinstance(capability, str) and capability.lower() == KVStore.OPTIMIZER:
+            return True
+        raise ValueError(f"Unknown capability: {capability}")
+
+    # ---- MXNet's underscore methods, used by Module, Gluon's Trainer and MXNet's own tests
+    def _barrier(self) -> None:
+        """MXNet's name for :meth:`barrier`."""
+        self.barrier()
+
+    def _set_updater(self, updater) -> None:
+        """MXNet's name for ``set_updater(updater)``: ``updater(key, grad, stored)`` updates
+        ``stored`` in place on every push (local stores; a distributed store refuses it)."""
+        self.set_updater(updater)
+
+    # MXNet's command heads (kvstore.py: _get_kvstore_server_command_type)
+    _COMMANDS = {0: "kController", 1: "kSetMultiPrecision", 2: "kStopServer", 3: "kSyncMode"}
+    _COMMANDS.update({4: "kSetGradientCompression", 5: "kSetProfilerParams"})
+
+    def _send_command_to_servers(self, head: int, body) -> None:
+        """MXNet's server commands, where they mean something here; returns when done.
+
+        - 0 (kController): ``body`` is an optimizer (a :class:`~kvstore.optimizer.Optimizer`,
+          its spec dict, or that spec as JSON): the same as ``set_optimizer``. MXNet sends a
+          pickle here; kvstore never unpickles, so a pickled body is refused.
+        - 1 (kSetMultiPrecision): the optimizer set last gets ``multi_precision=True``.
+        - 3 (kSyncMode): nothing to do; the store type decides (``dist_sync``/``dist_async``).
+        - 4 (kSetGradientCompression): ``body`` a dict (or JSON) as ``set_gradient_compression``.
+        - 2 (kStopServer), 5 (kSetProfilerParams): not supported (servers stop when every
+          worker has closed its store).
+        """
+        import json
+
+        name = self._COMMANDS.get(head)
+        if name is None:
+            raise ValueError(f"_send_command_to_servers: unknown command head {head!r}")
+        if isinstance(body, bytes):
+            body = body.decode("utf-8", "replace")
+        if isinstance(body, str) and body.strip().startswith(("{", "[")):
+            body = json.loads(body)
+        if name == "kSyncMode":
+            return
+        if name == "kController":
+            if isinstance(body, dict):
+                body = opt.from_spec(body)
+            if not isinstance(body, opt.Optimizer):
+                raise TypeError(
+                    "_send_command_to_servers(0, body): body must be a kvstore optimizer or "
+                    "its spec ({'name': ..., 'params': {...}}); a pickled optimizer is never "
+                    "accepted (no pickle crosses the network)"
+                )
+            self.set_optimizer(body)
+        elif name == "kSetMultiPrecision":
+            current = getattr(self, "_optimizer", None)
+            if current is None:
+                raise ValueError("kSetMultiPrecision: set an optimizer first")
+            current.multi_precision = True
+            self.set_optimizer(current)
+        elif name == "kSetGradientCompression":
+            if not isinstance(body, dict):
+                raise TypeError("kSetGradientCompression: body must be a dict (or its JSON)")
+            self.set_gradient_compression(body)
+        else:
+            raise ValueError(f"_send_command_to_servers: {name} ({head}) is not supported")
 
     # ---- to implement
     def _init(self, items):
@@ -302,6 +426,7 @@ class LocalStore(KVStore):
                 f"{type(optimizer).__name__}"
             )
         self._updater = opt.Updater(optimizer)
+        self._optimizer = optimizer
 
     def set_updater(self, updater) -> None:
         """Use ``updater(key, grad, weight)`` (updating ``weight`` in place) on every push."""
