@@ -63,11 +63,15 @@ class Control:
                 return msg
             raise_for(msg, what)
 
-    def close(self, finalize: bool) -> None:
-        """Tell the scheduler this node is done (when ``finalize``), then stop the thread."""
-        if finalize and self._thread.is_alive():
+    def close(self, finalize: bool, failed: str = "") -> None:
+        """Tell the scheduler this node is done (when ``finalize``) or that it failed (with
+        ``failed``, the reason), then stop the thread."""
+        if (finalize or failed) and self._thread.is_alive():
             try:
-                self.send("finalize")
+                if failed:
+                    self.send("failed", {"reason": failed})
+                else:
+                    self.send("finalize")
                 self.wait("finalize", ("ack",), min(5.0, self.cfg.request_timeout))
             except KVStoreError as exc:
                 log.info("finalize: %s", exc)

@@ -64,6 +64,20 @@ class Fail:
     text: str
 
 
+@dataclass(frozen=True)
+class Stall:
+    """A round that waits: for whom, how long each has been silent on the key (seconds since
+    its last push of it; -1: never pushed), who pushed it, and the requests waiting on it."""
+
+    key: Hashable
+    round: int
+    age: float
+    missing: list
+    silent: list
+    present: list
+    waiting: list
+
+
 @dataclass(eq=False)
 class _Key:
     name: Hashable
@@ -74,6 +88,7 @@ class _Key:
     acc: np.ndarray | None = None  # the open round's sum once a second push came
     spare: np.ndarray | None = None  # a buffer the caller gave back, to sum into
     started: float = 0.0  # when the open round got its first push
+    last_push: list = field(default_factory=list)  # per rank: when it last pushed (-1: never)
     queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [grad]
     waiting: dict = field(default_factory=lambda: defaultdict(list))  # rounds done -> [request]
     dead_from: int | None = None  # rounds from this one on can never complete
@@ -97,7 +112,7 @@ class Rounds:
     def add_key(self, key: Hashable) -> None:
         if key in self.keys:
             raise ValueError(f"key {key!r} is already initialised")
-        self.keys[key] = _Key(key, [0] * self.num_workers)
+        self.keys[key] = _Key(key, [0] * self.num_workers, last_push=[-1.0] * self.num_workers)
 
     def give_back(self, key: Hashable, buffer: np.ndarray) -> None:
         """Offer a writable buffer that nobody reads any more (e.g. the value an
@@ -127,6 +142,7 @@ class Rounds:
                 continue
             n = state.pushed[rank]
             state.pushed[rank] = n + 1
+            state.last_push[rank] = now
             if self._check_finished(state):
                 self._fail_dead(state, actions)
             if state.dead_from is not None and n >= state.dead_from:
@@ -180,9 +196,9 @@ class Rounds:
         return actions
 
     def tick(self, now: float) -> list:
-        """Fail the rounds open longer than the round deadline."""
+        """Fail the rounds open longer than the round deadline (none when it is 0)."""
         actions: list = []
-        for key in list(self._open):
+        for key in list(self._open) if self.round_timeout > 0 else ():
             state = self.keys[key]
             if now - state.started <= self.round_timeout:
                 continue
@@ -204,13 +220,39 @@ class Rounds:
             self._fail(request, text, actions)
         return actions
 
+    def fail_round(self, key: Hashable, text: str) -> list:
+        """Fail the open round of ``key`` and every request that needs it (a deadlock)."""
+        actions: list = []
+        state = self.keys[key]
+        if state.name in self._open:
+            self._kill(state, state.done, text, actions)
+        return actions
+
     # ---- what is waiting (for stall reports)
-    def open_rounds(self, now: float) -> list:
-        """``(key, round, seconds open, ranks missing)`` for every open round."""
-        return [
-            (key, self.keys[key].done, now - self.keys[key].started, self._missing(self.keys[key]))
-            for key in sorted(self._open, key=repr)
-        ]
+    def stalled(self, now: float, after: float) -> list[Stall]:
+        """The rounds open for ``after`` seconds or more."""
+        found = []
+        for key in sorted(self._open, key=repr):
+            state = self.keys[key]
+            if now - state.started < after:
+                continue
+            missing = self._missing(state)
+            silent = [
+                now - state.last_push[r] if state.last_push[r] >= 0 else -1.0 for r in missing
+            ]
+            waiting = [q for n, qs in state.waiting.items() if n > state.done for q in qs]
+            found.append(
+                Stall(
+                    key,
+                    state.done,
+                    now - state.started,
+                    missing,
+                    silent,
+                    self._present(state),
+                    waiting,
+                )
+            )
+        return found
 
     # ---- internals
     def _add(self, state: _Key, grad: np.ndarray, now: float) -> None:

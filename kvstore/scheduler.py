@@ -79,9 +79,12 @@ class Scheduler:
             "heartbeat": self._on_heartbeat,
             "barrier": self._barrier,
             "finalize": self._finalize,
+            "failed": self._on_failed,
+            "stalled": self._on_stalled,
             "join": self._on_join,
             "joined_ack": self._on_joined_ack,
         }
+        self.failure = ""  # what failed the job (a deadlock): later failures are its result
         self.joined: dict[int, bytes] = {}  # worker rank -> its join request, in join order
         self.join_acks = 0  # servers' acks of the joins so far
 
@@ -316,8 +319,8 @@ class Scheduler:
             return self._error(
                 node.identity,
                 msg,
-                f"barrier({group}): {', '.join(done)} "
-                "already finished, so this barrier can never complete",
+                f"barrier({group}): {', '.join(done)} finished (closed its store) without "
+                "reaching this barrier, so it can never complete",
             )
         state = self.barriers.setdefault(group, {"ids": {}, "t0": time.monotonic()})
         state["ids"][node.identity] = msg.id
@@ -350,6 +353,94 @@ class Scheduler:
                     done = Message("barrier_done", req_id, "scheduler", {"group": group})
                     self._send(identity, done)
 
+    def _doing(self, node: Node) -> str:
+        if node.finalized:
+            return "has finished"
+        if node.rank in self.joined:
+            return "has joined"
+        if any(node.identity in b["ids"] for b in self.barriers.values()):
+            return "waits in barrier()"
+        return "is in no call the scheduler knows of"
+
+    def _on_stalled(self, server: Node, msg: Message) -> None:
+        """A server's round waits. Fail it at once when the wait is a certain deadlock (a
+        missing worker waits in a barrier that a worker blocked on this round never reaches);
+        else report it, every KVSTORE_STALL_REPORT seconds, to the log and to the workers
+        that wait on it."""
+        b = msg.body
+        workers = {n.rank: n for n in self.nodes.values() if n.role == "worker"}
+        if server.role != "server" or not all(
+            type(r) is int and r in workers for r in [*b["missing"], *b["waiting"]]
+        ):
+            return self._error(server.identity, msg, "scheduler: bad stall report")
+        what = f"dist_sync round {b['round']} of key {b['key']} on {server.name}"
+        in_barrier = [r for r in b["missing"] if self._doing(workers[r]) == "waits in barrier()"]
+        stuck = [r for r in b["waiting"] if self._doing(workers[r]) != "waits in barrier()"]
+        if in_barrier and stuck:
+            text = (
+                f"deadlock: {what} waits for worker(s) {in_barrier} to push, but they wait in "
+                f"barrier() for worker(s) {stuck}, which wait for this round: every worker "
+                "must push a key the same number of times before a barrier"
+            )
+            log.error("%s", text)
+            self.failure = self.failure or text
+            self._send(
+                server.identity,
+                Message("fail_round", 0, "scheduler", {"key": b["key"], "message": text}),
+            )
+            self._fail_barriers(text)
+            return None
+        if b["age"] < self.cfg.stall_report or not self.cfg.stall_report:
+            return None
+        now = time.monotonic()
+        parts = []
+        for rank, silent in zip(b["missing"], b["silent"], strict=False):
+            node = workers[rank]
+            since = f"silent on this key for {silent:.0f}s" if silent >= 0 else "never pushed it"
+            parts.append(
+                f"worker {rank} {since}, {self._doing(node)}, last heartbeat "
+                f"{now - node.last_seen:.1f}s ago"
+            )
+        deadline = (
+            f"fails after KVSTORE_ROUND_TIMEOUT={self.cfg.round_timeout:g}s"
+            if self.cfg.round_timeout > 0
+            else "no deadline: set KVSTORE_ROUND_TIMEOUT to fail it"
+        )
+        text = (
+            f"stall: {what} has waited {b['age']:.0f}s for worker(s) {b['missing']} "
+            f"(pushed by {b['present']}): {'; '.join(parts)} ({deadline})"
+        )
+        log.warning("%s", text)
+        for rank in b["waiting"]:
+            self._send(workers[rank].identity, Message("stall", 0, "scheduler", {"message": text}))
+        return None
+
+    def _fail_barriers(self, text: str) -> None:
+        for group, state in list(self.barriers.items()):
+            del self.barriers[group]
+            for identity, req_id in state["ids"].items():
+                self._send(identity, error_reply(Message("barrier", req_id), "scheduler", text))
+
+    def _on_failed(self, node: Node, msg: Message) -> int:
+        """A node ends with an error (an uncaught exception): every other node is told who
+        and why, once, and the job ends."""
+        self._send(node.identity, Message("ack", msg.id, "scheduler"))
+        reason = f"it {msg.body['reason'][:500]}"
+        if self.failure:  # a result of the failure the others were told about: end quietly
+            log.info("%s stopped: %s", node.name, reason)
+            return self._finalize_quietly(node)
+        log.error("node failed: %s failed: %s", node.name, reason)
+        failure = Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason})
+        self._broadcast(failure, skip=node.identity)
+        return 1
+
+    def _finalize_quietly(self, node: Node) -> int | None:
+        node.finalized = True
+        if all(n.finalized for n in self.nodes.values() if n.role == "worker"):
+            self._broadcast(Message("shutdown", 0, "scheduler"), roles=("server",))
+            return 1
+        return None
+
     def _finalize(self, node: Node, msg: Message) -> int | None:
         node.finalized = True
         self._send(node.identity, Message("ack", msg.id, "scheduler"))
@@ -363,7 +454,7 @@ class Scheduler:
         if self.ready and all(n.finalized for n in workers):
             log.info("all workers finished; shutting servers down")
             self._broadcast(Message("shutdown", 0, "scheduler"), roles=("server",))
-            return 0
+            return 1 if self.failure else 0
         return None
 
     def _check_deadlines(self) -> int | None:
@@ -397,7 +488,7 @@ class Scheduler:
                     skip=node.identity,
                 )
                 return 1
-        for group, state in list(self.barriers.items()):
+        for group, state in list(self.barriers.items()) if self.cfg.round_timeout > 0 else ():
             if now - state["t0"] > self.cfg.round_timeout:
                 arrived = set(state["ids"])
                 absent = [

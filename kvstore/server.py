@@ -84,6 +84,8 @@ class Server:
         self.rank = -1
         self.name = "server"
         self._lost: set[bytes] = set()  # peers told once that they lose replies
+        self._last_failure = ""
+        self._stall_reports: dict[str, tuple] = {}  # key shown -> (round, next report, key)
         self.handlers = {
             "init": self._on_init,
             "push": self._on_push,
@@ -95,6 +97,7 @@ class Server:
         self.control_handlers = {
             "worker_done": self._on_worker_done,
             "worker_joined": self._on_worker_joined,
+            "fail_round": self._on_fail_round,
             "node_failed": self._on_node_failed,
             "shutdown": self._on_shutdown,
         }
@@ -122,7 +125,7 @@ class Server:
         if self.gate is not None:
             poller.register(self.gate.sock, zmq.POLLIN)
             poller.register(self.gate.watch(self.sock), zmq.POLLIN)
-        tick = min(0.1, self.cfg.round_timeout / 4)
+        tick = min(0.1, self.cfg.round_timeout / 4) if self.cfg.round_timeout > 0 else 0.1
         next_tick = time.monotonic() + tick
         while True:
             events = dict(poller.poll(tick * 1000))
@@ -146,6 +149,7 @@ class Server:
             now = time.monotonic()
             if now >= next_tick:
                 self._execute(self.rounds.tick(now))
+                self._report_stalls(now)
                 next_tick = now + tick
 
     def close(self) -> None:
@@ -166,10 +170,40 @@ class Server:
         self._execute(self.rounds.joined(rank, time.monotonic()))
         self.control.send("joined_ack", {"rank": rank})
 
+    # ---- stalls: a round that waits is reported to the scheduler, which knows what the
+    # missing workers are doing: it logs the stall, tells the waiting workers, and fails the
+    # round at once when the wait is a certain deadlock.
+    STALL_FIRST = 1.0  # seconds: the first report, early enough to catch a deadlock
+
+    def _report_stalls(self, now: float) -> None:
+        for stall in self.rounds.stalled(now, self.STALL_FIRST):
+            name = _show(stall.key)
+            seen = self._stall_reports.get(name)
+            every = self.cfg.stall_report or float("inf")
+            if seen is not None and seen[0] == stall.round and now < seen[1]:
+                continue
+            self._stall_reports[name] = (stall.round, now + every, stall.key)
+            waiting = sorted({int(_WORKER_ID.fullmatch(q.identity)[1]) for q in stall.waiting})
+            body = {
+                "key": name,
+                "round": stall.round,
+                "age": round(stall.age, 1),
+                "missing": stall.missing,
+                "silent": [round(x, 1) for x in stall.silent],
+                "present": stall.present,
+                "waiting": waiting,
+            }
+            self.control.send("stalled", body)
+
+    def _on_fail_round(self, msg: Message) -> None:
+        seen = self._stall_reports.get(msg.body["key"])
+        if seen is not None:
+            self._execute(self.rounds.fail_round(seen[2], msg.body["message"]))
+
     def _on_node_failed(self, msg: Message) -> int:
         text = f"{msg.body['node']} failed: {msg.body['reason']}"
         log.error("%s: %s; stopping", self.name, text)
-        self._execute(self.rounds.fail_all(f"{self.name}: {text}"))
+        self._execute(self.rounds.fail_all(text))
         return 1
 
     def _on_shutdown(self, msg: Message) -> int:
@@ -223,7 +257,9 @@ class Server:
                 self._reply(action.request)
             elif isinstance(action, Fail):
                 req = action.request
-                log.error("%s: %s", self.name, action.text)
+                if action.text != self._last_failure:  # once, not once per request
+                    self._last_failure = action.text
+                    log.error("%s: %s", self.name, action.text)
                 self._send(
                     req.identity, error_reply(req.msg, self.name, f"{self.name}: {action.text}")
                 )

@@ -34,6 +34,25 @@ from .store import KVStore
 
 log = logging.getLogger("kvstore.worker")
 
+# The uncaught exception ending this process, if one is: a store closed at exit then reports
+# the worker as failed (naming the exception) instead of finished.
+_ending: list[str] = []
+
+
+def _note_uncaught(kind, value, tb) -> None:
+    if not issubclass(kind, KeyboardInterrupt):
+        _ending.append(f"raised {kind.__name__}: {value}"[:400])
+    _previous_hook(kind, value, tb)
+
+
+_previous_hook = sys.excepthook
+
+
+def _close_at_exit(ref) -> None:
+    store = ref()
+    if store is not None:
+        store._close_quietly()
+
 
 def create_dist(kind: str) -> KVStore:
     """Build the store for this process's ``DMLC_ROLE``; servers and schedulers never return."""
@@ -46,6 +65,9 @@ def create_dist(kind: str) -> KVStore:
     setup_logging(cfg.verbose, "worker")
     warn_if_insecure(cfg, log)
     tune_allocator()
+    if sys.excepthook is not _note_uncaught:
+        global _previous_hook
+        _previous_hook, sys.excepthook = sys.excepthook, _note_uncaught
     return DistStore(kind, cfg)
 
 
@@ -92,8 +114,9 @@ class DistStore(KVStore):
             self._num_workers,
             len(self._servers),
         )
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().close())
+        # Horovod and MXNet scripts never close their store: close it when it is collected or
+        # at exit, whichever comes first.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def rank(self) -> int:
@@ -161,7 +184,12 @@ class DistStore(KVStore):
                 timeout = 0
             for sock, _ in self._poller.poll(timeout * 1000):
                 if sock is self._control.pipe:
-                    self._on_control(self._control.recv(), what)
+                    msg = self._control.recv()
+                    if msg.kind == "stall":  # a slow peer, alive: say so, and keep waiting
+                        log.warning("%s: %s", what, msg.body["message"])
+                        deadline = time.monotonic() + self.cfg.request_timeout
+                        continue
+                    self._on_control(msg, what)
                 else:
                     self._on_reply(sock.recv_multipart(copy=False), what)
 
@@ -380,6 +408,39 @@ class DistStore(KVStore):
         ]
         self._wait("load_optimizer_states", ids)
 
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._close_quietly()
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None and not issubclass(kind, KeyboardInterrupt):
+            self._fail_out(f"raised {kind.__name__}: {value}"[:400])
+        else:
+            self.close()
+
+    def _close_quietly(self) -> None:
+        """Close at exit or on collection: the user's own error (if any) was already shown;
+        never a second traceback."""
+        if self._closed:
+            return
+        if _ending:
+            self._fail_out(_ending[-1])
+            return
+        try:
+            self.close()
+        except Exception as exc:
+            log.error("%s", exc)
+
+    def _fail_out(self, reason: str) -> None:
+        """This worker ends with an error: tell the scheduler, which tells everyone else."""
+        if self._closed:
+            return
+        self._closed = True
+        self._control.close(finalize=False, failed=reason if self._failure is None else "")
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._ctx.term()
+
     def close(self) -> None:
         """Finish this worker's requests and tell the scheduler it is done."""
         if self._closed:
@@ -388,9 +449,8 @@ class DistStore(KVStore):
         try:
             if self._failure is None:
                 self._wait("close")
-        except KVStoreError as exc:
-            log.error("close: %s", exc)
-            finalize = self._failure is None
+        except KVStoreError:
+            finalize = self._failure is None  # a refused request: still a normal end
             raise
         finally:
             self._shutdown(finalize and self._failure is None)

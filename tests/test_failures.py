@@ -65,18 +65,19 @@ def test_uneven_rounds_fail_at_once_naming_key_and_rank(cluster):
     assert after < 10, out  # at once: KVSTORE_ROUND_TIMEOUT (60s) would be a hang
 
 
-def test_round_and_barrier_deadlines(cluster):
-    """Rank 1 waits in a barrier while rank 0 waits for rank 1's push: both get an error
-    naming the other after KVSTORE_ROUND_TIMEOUT, instead of hanging."""
-    c = cluster(1, 2, KVSTORE_ROUND_TIMEOUT=2)
+def test_round_and_barrier_deadlock_fails_both_at_once(cluster):
+    """Rank 1 waits in a barrier while rank 0 waits for rank 1's push: a certain deadlock,
+    failed at once (no deadline set), each side naming the other."""
+    c = cluster(1, 2, KVSTORE_ROUND_TIMEOUT=0)
     workers = c.start_workers("loop.py", [10, 1, 5, "barrier"])
     codes = c.wait(workers, 30)
     assert codes == [3, 3], c.dump()
-    assert "timed out after 2s (KVSTORE_ROUND_TIMEOUT): worker rank(s) [1] did not push it" in (
-        c.output("worker0")
-    )
-    # rank 0 gave up (its round timed out) and left: rank 1's barrier fails then, naming it
-    assert "barrier(worker): worker 0 (127.0.0.1 pid" in c.output("worker1")
+    text = "waits for worker(s) [1] to push, but they wait in barrier() for worker(s) [0]"
+    assert "pushpull: server 0" in c.output("worker0") and text in c.output("worker0")
+    assert "barrier: deadlock: dist_sync round 5 of key" in c.output("worker1")
+    for i in range(2):
+        after = float(c.output(f"worker{i}").split("KVStoreError after ")[1].split("s:")[0])
+        assert after < 15, c.dump()
 
 
 def _worker(env, code, timeout=30):
@@ -260,7 +261,7 @@ def test_server_survives_bad_messages(cluster):
                 encode(Message("init", 5, "x", {"keys": [["w", 0]]}, [np.ones(4, "f4")])),
                 "already initialised",
             ),
-            (encode(Message("optimizer", 6, "x", {"spec": {"name": "lamb"}})), "unknown optimizer"),
+            (encode(Message("optimizer", 6, "x", {"spec": {"name": "no-such-optimizer"}})), "unknown optimizer"),
             (encode(Message("command", 7, "x", {"name": "explode"})), "unknown command"),
             (
                 encode(

@@ -148,6 +148,10 @@ class Supervisor:
                 break
             if proc.popen.returncode:
                 failed.append(proc)
+        # A process that the others name as failed ("worker 1 (host pid N) failed: ...") is
+        # the cause: say it first.
+        causes = [p for p in failed if _named_by_others(p, failed)]
+        failed = causes + [p for p in failed if p not in causes]
         for proc in failed:
             self.say(f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{_tail(proc)}")
         self.say("stopping the other processes")
@@ -201,3 +205,12 @@ def _describe(code: int) -> str:
 
 def _tail(proc: Proc) -> str:
     return f" (last output: {proc.last_lines[-1]!r})" if proc.last_lines else ""
+
+
+def _named_by_others(proc: Proc, failed: list) -> bool:
+    return any(
+        f"{proc.name} (" in line and "failed" in line
+        for other in failed
+        if other is not proc
+        for line in other.last_lines
+    )
