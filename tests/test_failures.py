@@ -261,7 +261,10 @@ def test_server_survives_bad_messages(cluster):
                 encode(Message("init", 5, "x", {"keys": [["w", 0]]}, [np.ones(4, "f4")])),
                 "already initialised",
             ),
-            (encode(Message("optimizer", 6, "x", {"spec": {"name": "no-such-optimizer"}})), "unknown optimizer"),
+            (
+                encode(Message("optimizer", 6, "x", {"spec": {"name": "no-such-optimizer"}})),
+                "unknown optimizer",
+            ),
             (encode(Message("command", 7, "x", {"name": "explode"})), "unknown command"),
             (
                 encode(
