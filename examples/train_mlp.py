@@ -72,6 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--gradient-compression", choices=["2bit", "1bit"])
     p.add_argument("--compression-threshold", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--uneven",
+        action="store_true",
+        help="give the workers different amounts of data (the last rank 30%% less): each "
+        "calls kv.join() when its partition runs out, and the others train on",
+    )
     p.add_argument("--save-weights", help="rank 0 writes the final weights here (.npz)")
     p.add_argument(
         "--block-size",
@@ -300,8 +306,11 @@ def main(argv=None) -> int:
     for epoch in range(first_epoch, args.epochs):
         order = np.random.default_rng(args.seed + 1 + epoch).permutation(len(y_train))
         mine = order[rank::workers]  # this worker's partition of the epoch
+        my_steps = steps_per_epoch
+        if args.uneven:  # rank r has 30% * r / (W - 1) fewer batches than rank 0
+            my_steps = int(steps_per_epoch * (1 - 0.3 * rank / max(1, workers - 1)))
         started, total_loss, total_correct, seen = time.perf_counter(), 0.0, 0, 0
-        for s in range(steps_per_epoch):
+        for s in range(my_steps):
             if args.max_steps and step >= args.max_steps:
                 break
             idx = mine[s * args.batch_size : (s + 1) * args.batch_size]
@@ -312,6 +321,8 @@ def main(argv=None) -> int:
                 seen + len(idx),
             )
             step += 1
+        if args.uneven:
+            kv.join()  # out of data: count as pushing zeros until every worker is
         elapsed = time.perf_counter() - started
         if seen:
             print(

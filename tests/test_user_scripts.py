@@ -4,7 +4,9 @@ checks what the user reads."""
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -19,8 +21,6 @@ def run(num_workers, *args, env=None, timeout=90):
     """Launch a job; return (exit status, output, {first line containing text: time seen})."""
     argv = [sys.executable, str(ROOT / "launch.py"), "-n", str(num_workers), "-s", "1"]
     argv += ["--launcher", "local", sys.executable, str(SCRIPT), *map(str, args)]
-    import os
-
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -117,3 +117,15 @@ def test_a_round_deadline_the_user_set_fails_the_round_naming_the_silent_rank():
     code, out, _, _ = run(2, "--slow-rank", 1, "--slow-seconds", 20, env=env, timeout=60)
     assert code == 1, out
     assert "timed out after 2s (KVSTORE_ROUND_TIMEOUT): worker rank(s) [1] did not push it" in out
+
+
+def test_uneven_partitions_join_and_end_with_the_same_model():
+    argv = [sys.executable, str(ROOT / "launch.py"), "-n", "2", "-s", "1", "--launcher", "local"]
+    argv += [sys.executable, str(ROOT / "examples" / "train_mlp.py"), "--kv-store", "dist_sync"]
+    argv += ["--uneven", "--epochs", "3"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = {int(r): int(n) for r, n in re.findall(r"rank (\d): .* after (\d+) steps", done.stdout)}
+    accuracy = set(re.findall(r"test accuracy ([\d.]+)", done.stdout))
+    assert steps[1] < steps[0], done.stdout  # rank 1 ran out of data first, and joined
+    assert len(accuracy) == 1 and float(accuracy.pop()) > 0.85, done.stdout  # one model
