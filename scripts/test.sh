@@ -20,6 +20,8 @@ if [ -n "$missing" ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# The distribution was renamed kvstore -> kvstore-ps: drop the old editable install's metadata.
+if .venv/bin/pip show kvstore >/dev/null 2>&1; then .venv/bin/pip uninstall -y -q kvstore; fi
 .venv/bin/pip install -q -e '.[test,examples]'
 # Only the CPU build: an unpinned `torch` would pull several GB of CUDA packages.
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q 'torch==2.13.0' \

@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 
+from .spec import role_overrides
+
 _INDEX_VARS = (
     ("OMPI_COMM_WORLD_RANK", 0),
     ("PMI_RANK", 0),
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
         print(f"kvstore.launch.child: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ, DMLC_ROLE=role, KVSTORE_RANK=str(rank))
+    env.update(role_overrides(os.environ, role))
     if role == "worker":
         env.update(worker_ranks(os.environ, rank))
     argv = [sys.executable, "-m", "kvstore.server"] if role == "server" else command

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import socket
 import sys
 
 from ..config import interface_address
-from . import local, mpi, sge, slurm, ssh, yarn
+from . import kubernetes, local, mpi, sge, slurm, ssh, yarn
 from .hostfile import parse_hostfile
 from .job import Proc, Supervisor
-from .spec import JobSpec
+from .spec import ROLE_ENV, SECRETS, JobSpec
 
-LAUNCHERS = {"local": local, "ssh": ssh, "mpi": mpi, "slurm": slurm, "sge": sge, "yarn": yarn}
+LAUNCHERS = {
+    "local": local,
+    "ssh": ssh,
+    "mpi": mpi,
+    "slurm": slurm,
+    "sge": sge,
+    "yarn": yarn,
+    "kubernetes": kubernetes,
+}
 # Settings of the launcher's own environment that every process gets, wherever it runs.
 _FORWARD_PREFIXES = ("KVSTORE_", "MXNET_KVSTORE_", "PS_VERBOSE")
 
@@ -23,6 +32,7 @@ examples:
   launch.py -n 2 -s 2 --launcher local python examples/train_mlp.py --kv-store dist_sync
   launch.py -n 4 -s 2 --launcher ssh -H hosts --sync-dst-dir /tmp/job python train.py
   launch.py -n 4 --launcher mpi -H hosts python train.py --kv-store dist_sync
+  launch.py -n 2 -s 1 --launcher kubernetes --image me/train:1 python train.py --kv-store dist_sync
 
 hostfile lines: 'host', 'host:ssh_port', 'host slots=N'; '#' starts a comment.
 """
@@ -51,12 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--launcher",
+        "--cluster",  # dmlc-core's tracker name for it
+        dest="launcher",
         choices=sorted(LAUNCHERS),
-        help="how processes are started (default: local, or ssh when -H is given)",
+        help="how processes are started (default: local, or ssh when -H is given); "
+        "kubernetes writes the job's manifests instead",
     )
     p.add_argument(
         "-H",
         "--hostfile",
+        "--host-file",  # dmlc-core's tracker
         help="hosts to run on, one per line: host, host:port or host slots=N "
         "(ssh needs it; mpi, slurm use it when given); as in MXNet's launch.py, without "
         "--launcher, -H means --launcher ssh",
@@ -74,6 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME[=VALUE]",
         help="pass an environment variable to every process (repeatable): NAME=VALUE, "
         "NAME:VALUE (MXNet's form), or NAME alone for this shell's value",
+    )
+    for role in ("server", "worker"):
+        p.add_argument(
+            f"--env-{role}",
+            action="append",
+            default=[],
+            metavar="NAME:VALUE",
+            help=f"set a variable for the {role} processes only (repeatable; MXNet's "
+            "launch.py option): NAME:VALUE or NAME=VALUE, e.g. OMP_NUM_THREADS:3",
+        )
+    p.add_argument(
+        "--p3",
+        action="store_true",
+        help="MXNet's P3 (priority-based ps-lite van): not supported, an error says so",
+    )
+    k8s = p.add_argument_group("kubernetes (--launcher kubernetes)")
+    k8s.add_argument("--image", help="container image every pod runs (holds kvstore and your code)")
+    k8s.add_argument(
+        "--job-name", "--jobname", dest="job_name", default="kvstore", help="prefix of every name"
+    )
+    k8s.add_argument("--namespace", help="namespace of every object (default: kubectl's)")
+    k8s.add_argument(
+        "--python", default="python", help="python in the image, for the scheduler and servers"
+    )
+    k8s.add_argument(
+        "--apply",
+        action="store_true",
+        help="kubectl apply the manifests (default: print them to stdout)",
     )
     p.add_argument(
         "--interface", help="network interface whose address nodes announce (sets DMLC_INTERFACE)"
@@ -144,6 +186,25 @@ def make_spec(args, parser) -> JobSpec:
                 raise ValueError(f"--env {name}: {name} is not set in this shell")
             value = os.environ[name]
         env[name] = value
+    if args.p3:
+        parser.error(
+            "--p3: MXNet's P3 van (priority-based parameter slicing) is not supported; "
+            "kvstore splits big arrays over every server and pipelines pushes by itself"
+        )
+    role_env = {}
+    for role in ("server", "worker"):
+        for item in getattr(args, f"env_{role}"):
+            name, sep, value = _split_env(item)
+            if not name.isidentifier() or not sep:
+                parser.error(f"--env-{role} {item!r}: expected NAME:VALUE or NAME=VALUE")
+            if name in SECRETS:
+                parser.error(f"--env-{role} {name}: the job secret is the same for every process")
+            role_env.setdefault(role, {})[name] = value
+    if role_env:
+        env[ROLE_ENV] = json.dumps(role_env)
+    if launcher == "kubernetes":  # the scheduler is a pod: nothing of this host goes in
+        env.update({"DMLC_PS_ROOT_URI": "", "DMLC_PS_ROOT_PORT": ""})
+        return JobSpec(args.num_workers, num_servers, command, "", 0, hosts, env, launcher=launcher)
     root_uri = scheduler_host(args, launcher, hosts)
     port = args.port or free_port(root_uri)
     env.update({"DMLC_PS_ROOT_URI": root_uri, "DMLC_PS_ROOT_PORT": str(port)})
@@ -205,6 +266,15 @@ def main(argv=None) -> int:
                 "(--launcher local runs them on this machine)"
             )
         backend = LAUNCHERS[spec.launcher]
+        if spec.launcher == "kubernetes":
+            objects = kubernetes.manifests(
+                spec, args.image, args.job_name, args.namespace, args.python
+            )
+            text = kubernetes.to_yaml(objects)
+            if not args.apply:
+                sys.stdout.write(text)
+                return 0
+            return kubernetes.apply(text)
         procs = backend.processes(spec)
         if spec.launcher == "ssh" and spec.sync_dst_dir:
             ssh.sync_dir(spec, sup.say)

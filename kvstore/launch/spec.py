@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -11,6 +12,22 @@ from .hostfile import Host
 # Never written on a command line (where `ps` shows it): passed in the environment, or on
 # ssh's stdin.
 SECRETS = frozenset({"KVSTORE_SECRET"})
+
+# MXNet's --env-server / --env-worker, for launchers whose tasks find their role themselves
+# (mpi, slurm, sge, yarn): {"server": {...}, "worker": {...}}, applied by kvstore.launch.child.
+ROLE_ENV = "KVSTORE_ROLE_ENV"
+
+
+def role_overrides(env, role: str) -> dict:
+    """The variables ``--env-server``/``--env-worker`` set for ``role`` (from ``env``)."""
+    raw = env.get(ROLE_ENV, "")
+    if not raw:
+        return {}
+    try:
+        table = json.loads(raw)
+        return {str(k): str(v) for k, v in (table.get(role) or {}).items()}
+    except (ValueError, AttributeError):
+        raise ValueError(f"{ROLE_ENV}={raw!r}: expected JSON {{'server': {{...}}}}") from None
 
 
 @dataclass
@@ -41,6 +58,7 @@ class JobSpec:
 
     def role_env(self, role: str, rank: int) -> dict:
         env = {**self.env, "DMLC_ROLE": role, "KVSTORE_RANK": str(rank)}
+        env.update(role_overrides(self.env, role))
         if role == "worker":
             env.update(self.worker_ranks(rank))
         return env
