@@ -152,3 +152,26 @@ def test_mxnet_worker_script_through_a_cluster(tmp_path, name):
         assert all("MXNET API OK" in c.output(f"worker{i}") for i in range(2)), c.dump()
     finally:
         c.stop()
+
+
+def test_launch_env_worker_and_env_server(tmp_path):
+    """MXNet's launch.py options: --env-worker reaches the workers only (the servers' own
+    --env-server value is checked in the Kubernetes manifests, tests/test_kubernetes.py)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    probe = (
+        "import os, kvstore; kv = kvstore.create('dist_sync'); "
+        "print('W', os.environ.get('ONLY_WORKER'), os.environ.get('ONLY_SERVER'))"
+    )
+    out = subprocess.run(
+        [sys.executable, str(root / "launch.py"), "-n", "1", "-s", "1", "--launcher", "local"]
+        + ["--env-server", "ONLY_SERVER:s", "--env-worker", "ONLY_WORKER=w"]
+        + [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "W w None" in out.stdout
