@@ -28,7 +28,8 @@ class Config:
     verbose: int = 0
     start_timeout: float = 60.0
     request_timeout: float = 600.0
-    round_timeout: float = 300.0
+    round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
+    stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     bigarray_bound: int = 1_000_000
@@ -64,7 +65,8 @@ class Config:
             verbose=_number(env, "PS_VERBOSE", 0, int, low=0, high=2),
             start_timeout=_number(env, "KVSTORE_START_TIMEOUT", 60.0, float, low=0.1),
             request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
-            round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 300.0, float, low=0.1),
+            round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 0.0, float, low=0.0),
+            stall_report=_number(env, "KVSTORE_STALL_REPORT", 60.0, float, low=0.0),
             heartbeat_interval=interval,
             heartbeat_timeout=_number(
                 env, "KVSTORE_HEARTBEAT_TIMEOUT", 5 * interval, float, low=2 * interval
