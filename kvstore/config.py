@@ -39,6 +39,11 @@ class Config:
     insecure: bool = False  # KVSTORE_INSECURE=1: no authentication, no encryption
     encrypt: bool = False  # KVSTORE_ENCRYPT=1: CURVE on the data connections too
     max_message: int = 2**32  # bytes in one frame a server accepts (ZMQ_MAXMSGSIZE)
+    metrics: bool = True  # KVSTORE_METRICS=0: no counters in the heartbeats
+    status_port: int = -1  # KVSTORE_STATUS_PORT: the status page's port; -1 any free one, 0 off
+    status_addr: str = "127.0.0.1"  # KVSTORE_STATUS_ADDR: elsewhere only with the secret
+    status_linger: float = 0.0  # KVSTORE_STATUS_LINGER: seconds the page stays after a failure
+    timeline: str = ""  # KVSTORE_TIMELINE: each worker writes <path>.worker<rank> (trace events)
 
     @property
     def scheduler_address(self) -> str:
@@ -84,6 +89,11 @@ class Config:
             insecure=_flag(env, "KVSTORE_INSECURE"),
             encrypt=_flag(env, "KVSTORE_ENCRYPT"),
             max_message=_number(env, "KVSTORE_MAX_MESSAGE", 2**32, int, low=1024),
+            metrics=_flag(env, "KVSTORE_METRICS", default=True),
+            status_port=_number(env, "KVSTORE_STATUS_PORT", -1, int, low=-1, high=65535),
+            status_addr=env.get("KVSTORE_STATUS_ADDR", "") or "127.0.0.1",
+            status_linger=_number(env, "KVSTORE_STATUS_LINGER", 0.0, float, low=0.0),
+            timeline=env.get("KVSTORE_TIMELINE", ""),
         )
         if not cfg.secret and not cfg.insecure:
             raise ValueError(
@@ -98,9 +108,11 @@ class Config:
         return cfg
 
 
-def _flag(env, name: str) -> bool:
+def _flag(env, name: str, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
+    if raw == "":
+        return default
+    if raw in ("0", "false", "no", "off"):
         return False
     if raw in ("1", "true", "yes", "on"):
         return True

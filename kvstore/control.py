@@ -4,6 +4,11 @@ The link runs in its own thread and owns the DEALER socket to the scheduler, so 
 out while the node computes. The node's own thread talks to it through an inproc PAIR socket
 (:attr:`Control.pipe`), which it polls beside its data sockets: a node failure or a shutdown
 wakes it at once. Messages on the pipe are ordinary protocol messages.
+
+Each heartbeat carries the node's counters (:attr:`Control.metrics`, a
+:class:`~kvstore.metrics.NodeMetrics` the node's threads update; off with
+``KVSTORE_METRICS=0``), so reporting them costs no message of its own.
+:attr:`Control.tracer` is the worker's timeline file (``KVSTORE_TIMELINE``), or None.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from zmq.utils.monitor import recv_monitor_message
 from . import auth
 from .config import Config
 from .errors import KVStoreError
+from .metrics import NodeMetrics
 from .protocol import Message, decode, encode
+from .timeline import Tracer
 
 log = logging.getLogger("kvstore.control")
 _ids = itertools.count(1)
@@ -30,6 +37,8 @@ class Control:
     def __init__(self, ctx: zmq.Context, cfg: Config, role: str, port: int, cred: str = ""):
         self.cfg, self.role, self.port, self.cred = cfg, role, port, cred
         self.ctx = ctx
+        self.metrics = NodeMetrics(role) if cfg.metrics else None
+        self.tracer = Tracer(cfg.timeline, role) if cfg.timeline and role == "worker" else None
         endpoint = f"inproc://kvstore-control-{id(self)}"
         self.pipe = ctx.socket(zmq.PAIR)  # belongs to the node's thread
         self.pipe.bind(endpoint)
@@ -79,6 +88,8 @@ class Control:
             self.send("command", {"name": "stop"})
             self._thread.join(5)
         self.pipe.close(linger=0)
+        if self.tracer is not None:
+            self.tracer.close()
 
     # ---- the link thread
     def _run(self) -> None:
@@ -125,7 +136,8 @@ class Control:
                 now = time.monotonic()
                 if now >= next_beat:
                     try:  # never wait for a scheduler that does not read
-                        sock.send_multipart(encode(Message("heartbeat", 0, self.role)), zmq.NOBLOCK)
+                        beat = Message("heartbeat", 0, self.role, self._heartbeat_body())
+                        sock.send_multipart(encode(beat), zmq.NOBLOCK)
                     except zmq.Again:
                         pass
                     next_beat = now + cfg.heartbeat_interval
@@ -147,6 +159,8 @@ class Control:
                         log.info("%s from the scheduler", msg.kind)
                     if msg.kind == "book":
                         registered = True
+                        if self.tracer is not None:
+                            self.tracer.rank = msg.body["rank"]
                     if msg.kind != "heartbeat":
                         peer.send_multipart(frames)
                 if peer in events:
@@ -164,6 +178,16 @@ class Control:
                 monitor.close(linger=0)
             sock.close()
             peer.close(linger=0)
+
+    def _heartbeat_body(self) -> dict:
+        if self.metrics is None:
+            return {}
+        try:
+            return {"m": self.metrics.snapshot()}
+        except Exception:  # counters are worth less than the heartbeat itself
+            log.exception("metrics snapshot failed; heartbeats go on without metrics")
+            self.metrics = None
+            return {}
 
 
 def _scheduler_failed(cfg: Config, silent: float) -> Message:

@@ -8,6 +8,11 @@ barriers. A node silent for ``KVSTORE_HEARTBEAT_TIMEOUT`` is declared dead: ever
 told which one (role, rank, address) and the job ends with status 1. When every worker has
 finalised, the servers are told to shut down and the scheduler exits 0.
 
+Heartbeats carry each node's counters (:mod:`kvstore.metrics`); the scheduler keeps the latest
+per node and, unless ``KVSTORE_STATUS_PORT=0``, publishes a view of the job to its HTTP
+endpoint (:mod:`kvstore.status`: the status page and ``/metrics``), which runs in its own
+threads and never blocks this loop.
+
 Run it alone with ``DMLC_ROLE=scheduler ... python -m kvstore.scheduler``.
 """
 
@@ -21,7 +26,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import auth, transport
+from . import auth, status, transport
+from . import metrics as node_metrics
 from .config import Config, setup_logging, warn_if_insecure
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 
@@ -42,6 +48,8 @@ class Node:
     rank: int = -1
     finalized: bool = False
     cred: str = ""  # a worker's token or a node's CURVE public key (see kvstore.auth)
+    failed: str = ""  # why it failed, once it has
+    metrics: dict | None = None  # its counters, from its last heartbeat (kvstore.metrics)
 
     @property
     def name(self) -> str:
@@ -87,8 +95,26 @@ class Scheduler:
         self.failure = ""  # what failed the job (a deadlock): later failures are its result
         self.joined: dict[int, bytes] = {}  # worker rank -> its join request, in join order
         self.join_acks = 0  # servers' acks of the joins so far
+        self.stalls: dict[str, dict] = {}  # round shown -> its last stall report, for the page
+        self.stalls_seen = 0
+        self.status: status.StatusServer | None = None
+        self._next_view = 0.0
+        if cfg.status_port != 0:
+            try:
+                self.status = status.StatusServer(cfg)
+                log.info("status page at %s", self.status.url)
+            except OSError as exc:  # the job matters more than its page
+                log.error(
+                    "status page: cannot listen on %s:%d: %s (KVSTORE_STATUS_PORT, "
+                    "KVSTORE_STATUS_ADDR); the job runs without it",
+                    cfg.status_addr,
+                    max(cfg.status_port, 0),
+                    exc.strerror,
+                )
 
     def close(self) -> None:
+        if self.status is not None:
+            self.status.close()
         if self.gate is not None:
             self.gate.close()
         self.sock.close()
@@ -145,6 +171,32 @@ class Scheduler:
             status = self._check_deadlines()
             if status is not None:
                 return status
+            if self.status is not None and time.monotonic() >= self._next_view:
+                self.publish()
+
+    def publish(self, ended: str = "") -> None:
+        """Hand the status page a fresh view of the job (plain data; a reference swap)."""
+        now = time.monotonic()
+        self._next_view = now + status.PUBLISH_EVERY
+        try:
+            self.status.publish(status.job_view(self, now, ended))
+        except Exception:  # the page is never worth the job
+            log.exception("status page: building the view failed; the page stops here")
+            self.status.close()
+            self.status = None
+
+    def linger(self, exit_status: int) -> None:
+        """Show the job's end on the status page; after a failure keep serving it for
+        KVSTORE_STATUS_LINGER seconds, so the failed node can be seen."""
+        if self.status is None:
+            return
+        self.publish("finished" if exit_status == 0 else "failed")
+        if exit_status and self.cfg.status_linger > 0:
+            log.info("status page stays up %gs (KVSTORE_STATUS_LINGER)", self.cfg.status_linger)
+            time.sleep(self.cfg.status_linger)
+
+    def workers_by_rank(self) -> dict[int, Node]:
+        return {n.rank: n for n in self.nodes.values() if n.role == "worker"}
 
     def _handle(self, identity: bytes, frames) -> int | None:
         try:
@@ -185,6 +237,13 @@ class Scheduler:
     def _on_heartbeat(self, node: Node, msg: Message) -> None:
         if self.cfg.verbose:
             log.info("heartbeat from %s", node.name)
+        if "m" in msg.body:
+            try:
+                node.metrics = node_metrics.clean(msg.body["m"])
+            except ValueError as exc:  # counters are never worth a refused heartbeat
+                if node.metrics is not None or self.cfg.verbose:
+                    log.warning("bad metrics from %s: %s", node.name, exc)
+                node.metrics = None
         self._send(node.identity, Message("heartbeat", msg.id, "scheduler"))
 
     def _on_join(self, node: Node, msg: Message) -> None:
@@ -389,8 +448,7 @@ class Scheduler:
                 Message("fail_round", 0, "scheduler", {"key": b["key"], "message": text}),
             )
             self._fail_barriers(text)
-            return None
-        if b["age"] < self.cfg.stall_report or not self.cfg.stall_report:
+            self._note_stall(what, b, text)
             return None
         now = time.monotonic()
         parts = []
@@ -410,10 +468,35 @@ class Scheduler:
             f"stall: {what} has waited {b['age']:.0f}s for worker(s) {b['missing']} "
             f"(pushed by {b['present']}): {'; '.join(parts)} ({deadline})"
         )
+        self._note_stall(what, b, text)
+        if b["age"] < self.cfg.stall_report or not self.cfg.stall_report:
+            return None
         log.warning("%s", text)
         for rank in b["waiting"]:
             self._send(workers[rank].identity, Message("stall", 0, "scheduler", {"message": text}))
         return None
+
+    def _note_stall(self, what: str, report: dict, text: str) -> None:
+        """Keep a stall report for the status page, with the waiting workers' call counts:
+        it shows until one of them gets further."""
+        now = time.monotonic()
+        if what not in self.stalls:
+            self.stalls_seen += 1
+            if len(self.stalls) >= 100:  # keep the newest
+                del self.stalls[min(self.stalls, key=lambda k: self.stalls[k]["at"])]
+        workers = self.workers_by_rank()
+        calls = {
+            rank: sum(workers[rank].metrics["calls"].values()) if workers[rank].metrics else 0
+            for rank in report["waiting"]
+        }
+        first = self.stalls.get(what, {}).get("first", time.time())
+        self.stalls[what] = {
+            "text": text,
+            "age": float(report["age"]),
+            "at": now,
+            "first": first,
+            "calls": calls,
+        }
 
     def _fail_barriers(self, text: str) -> None:
         for group, state in list(self.barriers.items()):
@@ -426,6 +509,7 @@ class Scheduler:
         and why, once, and the job ends."""
         self._send(node.identity, Message("ack", msg.id, "scheduler"))
         reason = f"it {msg.body['reason'][:500]}"
+        node.failed = reason
         if self.failure:  # a result of the failure the others were told about: end quietly
             log.info("%s stopped: %s", node.name, reason)
             return self._finalize_quietly(node)
@@ -482,6 +566,7 @@ class Scheduler:
                     f"(KVSTORE_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g}s): "
                     "it died or hangs"
                 )
+                node.failed = reason
                 log.error("node failed: %s", reason)
                 self._broadcast(
                     Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason}),
@@ -534,7 +619,9 @@ def main() -> int:
         print(f"kvstore.scheduler: {exc}", file=sys.stderr)
         return 1
     try:
-        return scheduler.run()
+        exit_status = scheduler.run()
+        scheduler.linger(exit_status)
+        return exit_status
     finally:
         scheduler.close()
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from . import auth, transport
+from . import auth, metrics, transport
 from . import optimizer as opt
 from .compression import Compression, packed_size
 from .config import Config, setup_logging, warn_if_insecure
@@ -368,12 +368,14 @@ class Server:
             grads.append((key, codec.decode(array, header, stored.size, stored.dtype.type)))
         return grads
 
+    @metrics.served
     def _on_push(self, identity, rank, msg) -> None:
         grads = self._grads(msg, self._keys(msg))
         sync = bool(msg.body.get("sync", True))
         now = time.monotonic()
         self._execute(self.rounds.push(Request(identity, msg), rank, grads, sync, now))
 
+    @metrics.served
     def _on_pull(self, identity, rank, msg) -> None:
         keys = self._keys(msg)
         self._execute(self.rounds.pull(Request(identity, msg), rank, keys))

@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import auth, transport
+from . import auth, metrics, transport
 from .arrays import copy_into, namespace, reduce_sum, to_host
 from .config import Config, setup_logging, warn_if_insecure
 from .control import Control, raise_for
@@ -155,6 +155,7 @@ class DistStore(KVStore):
         if self._failure:
             raise KVStoreError(self._failure)
 
+    @metrics.traced("wait")
     def _wait(self, what: str, ids=None, trackers=()) -> None:
         """Collect replies until ``ids`` (default: every request in flight) are answered and
         ``trackers`` report their buffers sent. Errors, failures and the deadline raise."""
@@ -229,9 +230,11 @@ class DistStore(KVStore):
             self._wait("init", ids)
         self.barrier()
 
+    @metrics.observed("push")
     def _push(self, items):
         self._send_push("push", items, None)
 
+    @metrics.observed("pull")
     def _pull(self, items):
         on_reply, finish = self._receiver(items)
         ids = [
@@ -241,6 +244,7 @@ class DistStore(KVStore):
         self._wait("pull", ids)
         finish()
 
+    @metrics.observed("pushpull")
     def _pushpull(self, items):
         on_reply, finish = self._receiver(items)
         trackers: list = []
@@ -332,6 +336,7 @@ class DistStore(KVStore):
         return on_reply, finish
 
     # ---- collective and control
+    @metrics.observed("barrier")
     def barrier(self) -> None:
         """Wait until every worker has called ``barrier`` (and this worker's pushes are done)."""
         self._wait("barrier")
@@ -342,6 +347,7 @@ class DistStore(KVStore):
             self._failure = str(exc)
             raise
 
+    @metrics.observed("join")
     def join(self) -> int:
         """Out of data: wait until this worker's pushes are done, then count as pushing zeros
         into every round until all workers have joined; return the last rank to join."""
