@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import threading
 import time
 
 SUFFIX = ".worker"
+log = logging.getLogger("kvstore.timeline")
 
 
 class Tracer:
@@ -32,6 +34,7 @@ class Tracer:
         self.path, self.role = path, role
         self.rank = -1
         self._file = None
+        self._broken = False  # the file could not be written: the job goes on without it
         self._lock = threading.Lock()  # kvstore.torch calls the store from its own thread
 
     def span(self, name: str, start: float, end: float, args: dict) -> None:
@@ -48,12 +51,35 @@ class Tracer:
         }
         line = json.dumps(event, default=str) + ",\n"
         with self._lock:
-            if self._file is None:
-                if self.rank < 0:
-                    return  # before the book: the rank, and so the file, is not known yet
-                self._file = open(f"{self.path}{SUFFIX}{self.rank}", "w")  # noqa: SIM115
-                self._file.write("[\n")
-            self._file.write(line)
+            if self._file is None and not self._open():
+                return
+            try:
+                self._file.write(line)
+            except OSError as exc:
+                self._give_up(exc)
+
+    def _open(self) -> bool:
+        if self._broken or self.rank < 0:  # before the book the rank, so the file, is unknown
+            return False
+        name = f"{self.path}{SUFFIX}{self.rank}"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
+            self._file = open(name, "w")  # noqa: SIM115 (open until close())
+            self._file.write("[\n")
+        except OSError as exc:
+            self._give_up(exc)
+            return False
+        return True
+
+    def _give_up(self, exc: OSError) -> None:
+        log.error("KVSTORE_TIMELINE=%s: %s; this worker writes no timeline", self.path, exc)
+        self._broken = True
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
 
     def close(self) -> None:
         """End the array with the process's name, so the file is valid JSON by itself."""
@@ -66,8 +92,11 @@ class Tracer:
                 "pid": self.rank,
                 "args": {"name": f"{self.role} {self.rank}"},
             }
-            self._file.write(json.dumps(meta) + "\n]\n")
-            self._file.close()
+            try:
+                self._file.write(json.dumps(meta) + "\n]\n")
+                self._file.close()
+            except OSError as exc:
+                self._give_up(exc)
             self._file = None
 
 

@@ -3,6 +3,7 @@
 #   - the launcher tests need sshd, mpirun and rsync: installed with apt when missing (as root)
 #   - a virtual environment .venv with the package and its test extras
 #   - torch's CPU build for the PyTorch adapter tests, when pip has it
+#   - Debian's chromium for the status page's browser test (as root)
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k dist`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,17 @@ if [ -n "$missing" ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
     echo "note: $missing not installed (needs root); their launcher tests will skip" >&2
+  fi
+fi
+
+# Headless Chromium for the status page's browser test (tests/test_status_page.py skips,
+# saying so, without it).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+      || echo "note: chromium could not be installed; the status page's browser test will skip" >&2
+  else
+    echo "note: chromium not installed (needs root); the status page's browser test will skip" >&2
   fi
 fi
 

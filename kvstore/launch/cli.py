@@ -9,6 +9,7 @@ import secrets
 import socket
 import sys
 
+from .. import timeline
 from ..config import interface_address
 from . import kubernetes, local, mpi, sge, slurm, ssh, yarn
 from .hostfile import parse_hostfile
@@ -287,6 +288,7 @@ def main(argv=None) -> int:
         "DMLC_ROLE": "scheduler",
         "DMLC_NODE_HOST": spec.root_uri,
     }
+    status_url = status_page(scheduler_env)
     try:
         sup.start(
             Proc(
@@ -306,4 +308,35 @@ def main(argv=None) -> int:
         f"started the scheduler at {spec.root_uri}:{spec.port}, {spec.num_servers} "
         f"servers and {spec.num_workers} workers via {spec.launcher}"
     )
-    return sup.wait(args.timeout)
+    if status_url:
+        sup.say(f"status: {status_url}")
+    exit_status = sup.wait(args.timeout)
+    trace = spec.env.get("KVSTORE_TIMELINE", "")
+    if trace:
+        events, files = timeline.merge(trace)
+        if files:
+            sup.say(
+                f"timeline: {trace} ({events} events from {files} workers; open it in "
+                "ui.perfetto.dev or chrome://tracing)"
+            )
+        else:
+            sup.say(f"timeline: no {trace}{timeline.SUFFIX}<rank> files here to merge")
+    return exit_status
+
+
+def status_page(env: dict) -> str:
+    """Give the scheduler a free status port unless one is set; the page's URL, or ''."""
+    port = env.get("KVSTORE_STATUS_PORT", "")
+    if port == "0":
+        return ""
+    addr = env.get("KVSTORE_STATUS_ADDR", "") or "127.0.0.1"
+    if not port or port == "-1":
+        port = str(free_port("127.0.0.1" if addr in ("0.0.0.0", "::") else addr))
+        env["KVSTORE_STATUS_PORT"] = port
+    if addr in ("0.0.0.0", "::"):
+        addr = socket.gethostname()
+    host = f"[{addr}]" if ":" in addr else addr
+    url = f"http://{host}:{port}/"
+    if addr not in ("127.0.0.1", "localhost", "::1"):
+        url += " (from another host: ?token=<the job secret, KVSTORE_SECRET>)"
+    return url
