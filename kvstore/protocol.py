@@ -4,12 +4,13 @@ A message is a list of frames: one msgpack header, then the array frames. The he
 the protocol version, the kind, a request id, the sender, kind-specific fields and, for every
 array, its dtype, shape, frame and byte offset in that frame::
 
-    {"v": 1, "k": "push", "id": 7, "from": "worker-0", "b": {"keys": [[3, 0]]},
-     "a": [["<f4", [6], 1, 0]]}
+    {"v": 2, "k": "push", "id": 7, "from": "worker-0", "b": {"keys": [[3, 0]]},
+     "a": [["<f4", [6], 0, 0]]}
 
 An array of at least :data:`PACK_BELOW` bytes travels alone in its own frame, without a copy.
-Smaller ones are packed together into one frame (8-byte aligned): a thousand small keys cost
-one frame, not a thousand.
+Smaller ones are packed together (8-byte aligned) into frame 0, right after the header (their
+offsets count from the first multiple of 8 after it): a message of small arrays is one frame,
+and a thousand small keys cost one frame, not a thousand.
 
 :func:`decode` validates everything and raises :class:`ProtocolError` with a message that
 says what was wrong; arrays come back as read-only ``np.frombuffer`` views of the frames.
@@ -29,8 +30,8 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-VERSION = 1
-PACK_BELOW = 16384  # bytes: smaller arrays share one frame
+VERSION = 2
+PACK_BELOW = 16384  # bytes: smaller arrays share the header's frame
 
 _KEY = (int, str)
 # kind -> required body fields and their types. Replies carry the request's id.
@@ -114,30 +115,26 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
     carried: dict[int, int] = {}
     packed_at = 0
     arrays = [_contiguous(a) for a in msg.arrays]
-    has_small = any(a.nbytes < PACK_BELOW for a in arrays)
     for index, a in enumerate(arrays):
         if a.nbytes < PACK_BELOW:
             pad = -packed_at % 8
             if pad:
                 small.append(bytes(pad))
             packed_at += pad
-            specs.append([a.dtype.str, list(a.shape), 1, packed_at])
+            specs.append([a.dtype.str, list(a.shape), 0, packed_at])
             small.append(a.tobytes() if a.ndim == 0 else memoryview(a).cast("B"))
             packed_at += a.nbytes
         else:
-            frame = 1 + has_small + len(big)
+            frame = 1 + len(big)
             specs.append([a.dtype.str, list(a.shape), frame, 0])
             big.append(memoryview(a).cast("B"))
             carried[frame] = index
-    header = {
-        "v": VERSION,
-        "k": msg.kind,
-        "id": msg.id,
-        "from": msg.sender,
-        "b": msg.body,
-        "a": specs,
-    }
-    return [msgpack.packb(header), *([b"".join(small)] if has_small else []), *big], carried
+    header = msgpack.packb(
+        {"v": VERSION, "k": msg.kind, "id": msg.id, "from": msg.sender, "b": msg.body, "a": specs}
+    )
+    if small:  # after the header, 8-byte aligned: one frame for a message of small arrays
+        header = b"".join([header, bytes(-len(header) % 8), *small])
+    return [header, *big], carried
 
 
 def _contiguous(array) -> np.ndarray:
@@ -171,8 +168,13 @@ def _decode(frames: list) -> Message:
     if not frames:
         raise ProtocolError("empty message: expected a header frame")
     buffers = [getattr(f, "buffer", f) for f in frames]
+    tail = -1  # where the small arrays start in frame 0, if they are there
     try:
         header = msgpack.unpackb(buffers[0], strict_map_key=False)
+    except msgpack.ExtraData as extra:
+        header = extra.unpacked
+        end = memoryview(buffers[0]).nbytes - len(extra.extra)
+        tail = end + (-end % 8)
     except Exception as exc:
         raise ProtocolError(f"header is not valid msgpack ({exc})") from None
     if not isinstance(header, dict):
@@ -207,7 +209,9 @@ def _decode(frames: list) -> Message:
     for spec in specs:
         _check_spec(kind, spec, len(buffers))
     used = {spec[2] for spec in specs}
-    if used != set(range(1, len(buffers))):
+    if 0 in used and tail < 0:
+        raise ProtocolError(f"{kind}: small arrays described but none follow the header")
+    if used - {0} != set(range(1, len(buffers))):
         raise ProtocolError(
             f"{kind}: header describes arrays in {len(used)} frames but "
             f"{len(buffers) - 1} array frames arrived (truncated message?)"
@@ -215,7 +219,7 @@ def _decode(frames: list) -> Message:
     if kind in _KEYED_ARRAYS and len(specs) != len(body["keys"]):
         raise ProtocolError(f"{kind}: {len(body['keys'])} keys but {len(specs)} arrays")
     sizes = [memoryview(b).nbytes for b in buffers]
-    arrays = [_array(kind, spec, buffers, sizes) for spec in specs]
+    arrays = [_array(kind, spec, buffers, sizes, tail) for spec in specs]
     return Message(kind, msg_id, sender, body, arrays)
 
 
@@ -233,13 +237,13 @@ def _check_spec(kind: str, spec, frames: int) -> None:
         or len(spec[1]) > MAX_DIMS
         or not all(type(n) is int and 0 <= n <= MAX_DIM for n in spec[1])
         or type(spec[2]) is not int
-        or spec[2] < 1
+        or spec[2] < 0
         or type(spec[3]) is not int
         or spec[3] < 0
     ):
         raise ProtocolError(
             f"{kind}: bad array description {spec!r:.200}: expected [dtype, shape "
-            f"(at most {MAX_DIMS} sizes), frame index (1 or more), byte offset]"
+            f"(at most {MAX_DIMS} sizes), frame index, byte offset]"
         )
     if spec[2] >= frames:
         raise ProtocolError(
@@ -263,8 +267,10 @@ def _check_keys(kind: str, keys: list) -> None:
             )
 
 
-def _array(kind: str, spec, buffers, sizes) -> np.ndarray:
+def _array(kind: str, spec, buffers, sizes, tail: int) -> np.ndarray:
     dtype_str, shape, frame, offset = spec
+    if frame == 0:
+        offset += tail
     try:
         dtype = _dtype(dtype_str)
     except Exception:

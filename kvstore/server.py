@@ -85,6 +85,8 @@ class Server:
         self.name = "server"
         self._lost: set[bytes] = set()  # peers told once that they lose replies
         self._last_failure = ""
+        self._ranks: dict[bytes, int] = {}  # routing identity -> rank, parsed once
+        self._names = [f"worker-{r}" for r in range(self.num_workers)]
         self._stall_reports: dict[str, tuple] = {}  # key shown -> (round, next report, key)
         self.handlers = {
             "init": self._on_init,
@@ -310,18 +312,21 @@ class Server:
     def _worker_rank(self, identity: bytes, frame) -> int:
         """The rank a request comes from: its routing identity, ``worker-<rank>`` exactly,
         and (authenticated) the rank whose credential opened the connection."""
-        match = _WORKER_ID.fullmatch(identity)
-        if match is None or int(match[1]) >= self.num_workers:
-            raise ValueError(
-                f"unknown peer {identity!r:.60}: only workers 0..{self.num_workers - 1} "
-                "may talk to a server"
-            )
-        if self.gate is not None and frame.get("User-Id") != identity.decode():
+        rank = self._ranks.get(identity)
+        if rank is None:
+            match = _WORKER_ID.fullmatch(identity)
+            if match is None or int(match[1]) >= self.num_workers:
+                raise ValueError(
+                    f"unknown peer {identity!r:.60}: only workers 0..{self.num_workers - 1} "
+                    "may talk to a server"
+                )
+            rank = self._ranks[identity] = int(match[1])
+        if self.gate is not None and frame.get("User-Id") != self._names[rank]:
             raise ValueError(
                 f"{identity.decode()} refused: the connection authenticated as "
                 f"{frame.get('User-Id')!r}"
             )
-        return int(match[1])
+        return rank
 
     def _keys(self, msg: Message) -> list[tuple]:
         keys = [tuple(k) for k in msg.body["keys"]]

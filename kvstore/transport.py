@@ -34,15 +34,19 @@ class Sent:
         return self.tracker.done
 
 
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)  # plain ints: enum flag arithmetic costs per call
+_LAST = int(zmq.NOBLOCK)
+
+
 def send(sock: zmq.Socket, msg: Message, route: bytes | None = None) -> list[Sent]:
     """Send ``msg`` (to ``route`` on a ROUTER socket) without blocking or copying big arrays."""
     frames, carried = encode_frames(msg)
     last = len(frames) - 1
     if route is not None:
-        sock.send(route, zmq.NOBLOCK | zmq.SNDMORE)
+        sock.send(route, _MORE)
     sent = []
     for i, frame in enumerate(frames):
-        flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
+        flags = _MORE if i < last else _LAST
         index = carried.get(i)
         if index is None or memoryview(frame).nbytes < COPY_BELOW:
             sock.send(frame, flags)

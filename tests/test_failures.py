@@ -240,9 +240,9 @@ def test_server_survives_bad_messages(cluster):
         assert node.ask(w).kind == "ack"
         cases = [
             ([b"\xc1garbage"], "not valid msgpack"),
-            ([encode(Message("ack"))[0].replace(b"\xa1v\x01", b"\xa1v\x09")], "version 9"),
+            ([encode(Message("ack"))[0].replace(b"\xa1v\x02", b"\xa1v\x09")], "version 9"),
             (
-                encode(Message("push", 1, "x", {"keys": [["w", 0]]}, [np.ones(3, "f4")]))[:1],
+                encode(Message("push", 1, "x", {"keys": [["w", 0]]}, [np.ones(5000, "f4")]))[:1],
                 "truncated",
             ),
             (

@@ -17,7 +17,7 @@ def test_frame_map_names_the_array_each_frame_carries():
     frames, carried = encode_frames(
         Message("data", 1, "s", {"keys": [[i, 0] for i in range(4)]}, arrays)
     )
-    assert carried == {2: 1, 3: 3}  # frame 1 packs the small arrays 0 and 2 (a copy)
+    assert carried == {1: 1, 2: 3}  # frame 0 packs the small arrays 0 and 2 after the header
     for frame, index in carried.items():
         assert frames[frame].obj is arrays[index]
 
