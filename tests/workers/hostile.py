@@ -85,7 +85,10 @@ def base_messages():
 
 def mutate(msg):
     frames = [bytes(f) for f in encode(msg)]
-    header = msgpack.unpackb(frames[0], strict_map_key=False)
+    try:  # small arrays follow the header in frame 0
+        header, tail = msgpack.unpackb(frames[0], strict_map_key=False), b""
+    except msgpack.ExtraData as extra:
+        header, tail = extra.unpacked, extra.extra
     how = rng.randrange(8)
     if how == 0:  # a field of the header, of the wrong type
         header[rng.choice(["v", "k", "id", "from", "b", "a"])] = rng.choice(WRONG)
@@ -98,7 +101,8 @@ def mutate(msg):
         )
     elif how == 3:
         header = rng.choice(WRONG)
-    frames[0] = msgpack.packb(header)
+    packed = msgpack.packb(header)
+    frames[0] = packed + bytes(-len(packed) % 8) + tail.lstrip(b"\0") if tail else packed
     if how == 4:  # truncated
         frames = frames[: rng.randrange(len(frames) + 1)]
         if frames:
