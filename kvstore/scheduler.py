@@ -61,6 +61,7 @@ class Scheduler:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.ctx = zmq.Context()
+        self.status: status.StatusServer | None = None  # started once the port is bound
         self.gate = None
         if not cfg.insecure:
             self.gate = auth.Gate(self.ctx, "scheduler")
@@ -97,7 +98,6 @@ class Scheduler:
         self.join_acks = 0  # servers' acks of the joins so far
         self.stalls: dict[str, dict] = {}  # round shown -> its last stall report, for the page
         self.stalls_seen = 0
-        self.status: status.StatusServer | None = None
         self._next_view = 0.0
         if cfg.status_port != 0:
             try:
