@@ -4,7 +4,9 @@ A worker counts each public call (push, pull, pushpull, barrier, join) as it ret
 pushed and pulled, calls, key rounds, the call's latency (a histogram with fixed buckets), and
 per key its bytes, rounds and last latency. A server counts the requests it is sent, the
 bytes in and out, and per key part the bytes. Counting is a few additions per call, in the
-calling thread; nothing is sent per call. The link thread (:mod:`kvstore.control`) takes a
+calling thread; nothing is sent per call. Bytes are the values' sizes, whatever carried
+them (a frame, shared memory) and however compressed. The link thread
+(:mod:`kvstore.control`) takes a
 :meth:`NodeMetrics.snapshot` for every heartbeat: only the top :data:`TOP` keys and parts by
 bytes travel, so a model of 10,000 keys keeps heartbeats small. The scheduler checks what it
 receives with :func:`clean` and serves it (:mod:`kvstore.status`).
@@ -108,25 +110,26 @@ class NodeMetrics:
 
     # ---- a server's requests
     def request(self, kind: str, msg, stored: dict) -> None:
+        """Count a push/pull request by the size of the values it names (the logical bytes,
+        whatever the transport: a frame, shared memory, or compressed)."""
         self.requests[kind] = self.requests.get(kind, 0) + 1
-        keys = msg.body.get("keys") or ()
+        push, pull = kind in _PUSHES, kind in _PULLS
         parts = self.parts
-        for i, wire in enumerate(keys):
+        for wire in msg.body.get("keys") or ():
             try:
                 key = (wire[0], wire[1])
-                size = msg.arrays[i].nbytes if kind in _PUSHES and i < len(msg.arrays) else 0
-                value = stored.get(key) if kind in _PULLS else None
+                value = stored.get(key)
             except (TypeError, IndexError):
                 return  # the handler refuses it with a clear error
-            out = value.nbytes if value is not None else 0
-            self.bytes_in += size
-            self.bytes_out += out
+            if value is None:
+                continue  # never initialised: refused, not counted
+            size = value.nbytes
+            self.bytes_in += size if push else 0
+            self.bytes_out += size if pull else 0
             rec = parts.get(key)
             if rec is None:
-                if value is None and key not in stored:
-                    continue  # never initialised: refused, not counted
                 rec = parts[key] = [0, 0]
-            rec[0] += size + out
+            rec[0] += size * (push + pull)
             rec[1] += 1
 
     # ---- the heartbeat's view

@@ -518,10 +518,14 @@ def _rates(history: list) -> tuple[float, float]:
 def _plot(history: list) -> str:
     """Bytes/s over time as an inline SVG line (and rounds/s, scaled to its own maximum)."""
     width, height, pad = 720, 160, 36
-    rates = [
-        (b[0], (b[1] - a[1]) / (b[0] - a[0] or 1.0), (b[2] - a[2]) / (b[0] - a[0] or 1.0))
-        for a, b in zip(history, history[1:], strict=False)
-    ]
+    rates = []  # each over the 5 s before it: counters arrive once a heartbeat, not smoothly
+    first = 0
+    for b in history[1:]:
+        while history[first][0] < b[0] - 5.0:
+            first += 1
+        a = history[first] if history[first] is not b else history[first - 1]
+        span = (b[0] - a[0]) or 1.0
+        rates.append((b[0], (b[1] - a[1]) / span, (b[2] - a[2]) / span))
     frame = (
         f'<svg id="plot" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
         f'width="{width}" height="{height}" role="img" aria-label="throughput">'
@@ -535,7 +539,7 @@ def _plot(history: list) -> str:
     top_rounds = max(r[2] for r in rates) or 1.0
     span = (t1 - t0) or 1.0
 
-    def line(values, top, color, name):
+    def line(values, top, color, name, dash=""):
         points = " ".join(
             f"{pad + (t - t0) / span * (width - pad - 8):.1f},"
             f"{8 + (height - pad) * (1 - value / top):.1f}"
@@ -543,13 +547,13 @@ def _plot(history: list) -> str:
         )
         return (
             f'<polyline class="{name}" fill="none" stroke="{color}" stroke-width="1.5" '
-            f'points="{points}"/>'
+            f'stroke-dasharray="{dash}" points="{points}"/>'
         )
 
     return (
         frame
         + line([(r[0], r[1]) for r in rates], top_bytes, "#1f77b4", "bytes")
-        + line([(r[0], r[2]) for r in rates], top_rounds, "#d62728", "rounds")
+        + line([(r[0], r[2]) for r in rates], top_rounds, "#d62728", "rounds", "4 3")
         + f'<text x="{pad + 4}" y="20" font-size="10">'
         + f"{_bytes(top_bytes)}/s</text>"
         + f'<text x="{pad - 4}" y="{height - pad + 8}" text-anchor="end" font-size="10">0</text>'

@@ -2,7 +2,8 @@
 
 Chromium renders the page (its script included); the test reads the DOM it dumps, keeps a
 screenshot as an artifact (``$KVSTORE_ARTIFACTS`` or the test's tmp dir), then kills a worker
-and loads the page again: that worker shows as failed. Also: the endpoint refuses a request
+and loads the page again: that worker shows as failed, and the round it left waiting as a
+stall. Also: the endpoint refuses a request
 from another address without the job's secret.
 """
 
@@ -106,6 +107,8 @@ def test_status_page_in_chromium(cluster, tmp_path):
         assert seen[("worker", 1)] == "failed", dom
         assert "sent no heartbeat" in dom  # the reason is shown
         assert 'id="job-state">failed' in dom
+        # worker 0 waited on the dead worker's round: the servers' stall report is shown
+        assert re.search(r'class="stall".*waited \d+s for worker\(s\) \[1\]', dom), dom
     finally:
         stop.touch()
 
