@@ -38,6 +38,7 @@ class Config:
     secret: bytes = b""  # the job's secret; empty only with insecure
     insecure: bool = False  # KVSTORE_INSECURE=1: no authentication, no encryption
     encrypt: bool = False  # KVSTORE_ENCRYPT=1: CURVE on the data connections too
+    shm: bool = True  # KVSTORE_SHM=0: big parts go through TCP even to a server on this host
     max_message: int = 2**32  # bytes in one frame a server accepts (ZMQ_MAXMSGSIZE)
     metrics: bool = True  # KVSTORE_METRICS=0: no counters in the heartbeats
     status_port: int = -1  # KVSTORE_STATUS_PORT: the status page's port; -1 any free one, 0 off
@@ -88,6 +89,7 @@ class Config:
             secret=_secret(env),
             insecure=_flag(env, "KVSTORE_INSECURE"),
             encrypt=_flag(env, "KVSTORE_ENCRYPT"),
+            shm=_flag(env, "KVSTORE_SHM", default=True),
             max_message=_number(env, "KVSTORE_MAX_MESSAGE", 2**32, int, low=1024),
             metrics=_flag(env, "KVSTORE_METRICS", default=True),
             status_port=_number(env, "KVSTORE_STATUS_PORT", -1, int, low=-1, high=65535),

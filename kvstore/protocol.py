@@ -77,6 +77,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "data": {"keys": (list,)},
     "optimizer": {"spec": (dict,)},
     "command": {"name": (str,)},
+    "hello": {"host": (str,)},
     # both
     "ack": {},
     "error": {"message": (str,)},
@@ -168,7 +169,7 @@ def _decode(frames: list) -> Message:
     if not frames:
         raise ProtocolError("empty message: expected a header frame")
     buffers = [getattr(f, "buffer", f) for f in frames]
-    tail = -1  # where the small arrays start in frame 0, if they are there
+    tail = memoryview(buffers[0]).nbytes  # where small arrays start in frame 0 (none: empty)
     try:
         header = msgpack.unpackb(buffers[0], strict_map_key=False)
     except msgpack.ExtraData as extra:
@@ -209,8 +210,6 @@ def _decode(frames: list) -> Message:
     for spec in specs:
         _check_spec(kind, spec, len(buffers))
     used = {spec[2] for spec in specs}
-    if 0 in used and tail < 0:
-        raise ProtocolError(f"{kind}: small arrays described but none follow the header")
     if used - {0} != set(range(1, len(buffers))):
         raise ProtocolError(
             f"{kind}: header describes arrays in {len(used)} frames but "

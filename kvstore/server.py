@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from . import auth, metrics, transport
+from . import auth, metrics, shm, transport
 from . import optimizer as opt
 from .compression import Compression, packed_size
 from .config import Config, setup_logging, warn_if_insecure
@@ -86,6 +86,8 @@ class Server:
         self._lost: set[bytes] = set()  # peers told once that they lose replies
         self._last_failure = ""
         self._ranks: dict[bytes, int] = {}  # routing identity -> rank, parsed once
+        self._segments: dict[str, shm.Segment] = {}  # same-host workers' shared buffers
+        self._shm_of: dict[tuple, shm.Segment] = {}  # (rank, key) -> its segment
         self._names = [f"worker-{r}" for r in range(self.num_workers)]
         self._stall_reports: dict[str, tuple] = {}  # key shown -> (round, next report, key)
         self.handlers = {
@@ -95,6 +97,7 @@ class Server:
             "pull": self._on_pull,
             "optimizer": self._on_optimizer,
             "command": self._on_command,
+            "hello": self._on_hello,
         }
         self.control_handlers = {
             "worker_done": self._on_worker_done,
@@ -155,6 +158,8 @@ class Server:
                 next_tick = now + tick
 
     def close(self) -> None:
+        for segment in self._segments.values():
+            segment.close()
         self.control.close(finalize=False)
         if self.gate is not None:
             self.gate.close()
@@ -241,14 +246,16 @@ class Server:
             self._send(req.identity, Message("ack", req.msg.id, self.name))
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
-        data = Message(
-            "data",
-            req.msg.id,
-            self.name,
-            {"keys": req.msg.body["keys"]},
-            [self.stored[k] for k in keys],
-        )
-        self._send(req.identity, data, keys)
+        arrays, body = [self.stored[k] for k in keys], {"keys": req.msg.body["keys"]}
+        if self._shm_of:  # a same-host worker reads big values from its shared segment
+            rank = self._ranks.get(req.identity, -1)
+            for i, key in enumerate(keys):
+                segment = self._shm_of.get((rank, key))
+                if segment is not None:
+                    np.copyto(segment.pull.view(arrays[i].dtype), arrays[i])
+                    arrays[i] = arrays[i][:0]
+                    body.setdefault("shm", []).append(i)
+        self._send(req.identity, Message("data", req.msg.id, self.name, body, arrays), keys)
 
     # ---- carrying out the rounds' actions
     def _execute(self, actions: list) -> None:
@@ -349,14 +356,18 @@ class Server:
             self.rounds.add_key(key)
         self._send(identity, Message("ack", msg.id, self.name))
 
-    def _grads(self, msg: Message, keys: list) -> list:
+    def _grads(self, msg: Message, keys: list, rank: int) -> list:
         """The pushed gradients, checked against the stored keys and decompressed."""
         comp = msg.body.get("compression")
         codec = Compression.from_params(comp) if comp else None
         headers = msg.body.get("headers") or [None] * len(msg.arrays)
+        shared = self._shared_pushes(msg, keys, rank)
         grads = []
-        for key, array, header in zip(keys, msg.arrays, headers, strict=True):
+        for i, (key, array, header) in enumerate(zip(keys, msg.arrays, headers, strict=True)):
             stored = self.stored[key]
+            if i in shared:
+                grads.append((key, shared[i]))
+                continue
             if codec is None:
                 if array.dtype != stored.dtype or array.size != stored.size:
                     raise ValueError(
@@ -373,9 +384,45 @@ class Server:
             grads.append((key, codec.decode(array, header, stored.size, stored.dtype.type)))
         return grads
 
+    def _shared_pushes(self, msg: Message, keys: list, rank: int) -> dict:
+        """{index: gradient} of the pushes a same-host worker left in shared memory, copied
+        out (the worker may reuse its segment once ``consumed`` says so)."""
+        entries = msg.body.get("shm")
+        if not entries:
+            return {}
+        if not isinstance(entries, list):
+            raise ValueError("shm: expected a list of [index, segment, sequence]")
+        found = {}
+        for entry in entries:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 3
+                or type(entry[0]) is not int
+                or not 0 <= entry[0] < len(keys)
+                or type(entry[2]) is not int
+            ):
+                raise ValueError(f"shm: bad entry {entry!r:.80}")
+            index, name, seq = entry
+            key, stored = keys[index], self.stored[keys[index]]
+            segment = self._segments.get(name)
+            if segment is None:
+                segment = shm.open_for(name, rank, stored.nbytes)
+                self._segments[name] = segment
+            if segment.nbytes != stored.nbytes or int(segment.counters[0]) != seq:
+                raise ValueError(f"shm: segment {name} does not hold push {seq} of {_show(key)}")
+            found[index] = segment.push.view(stored.dtype).copy()
+            segment.counters[1] = seq
+            self._shm_of[(rank, key)] = segment
+        return found
+
+    def _on_hello(self, identity, rank, msg) -> None:
+        """A worker asks whether it shares this host's memory (same boot id)."""
+        same = self.cfg.shm and shm.available() and msg.body["host"] == shm.host_id()
+        self._send(identity, Message("ack", msg.id, self.name, {"shm": bool(same)}))
+
     @metrics.served
     def _on_push(self, identity, rank, msg) -> None:
-        grads = self._grads(msg, self._keys(msg))
+        grads = self._grads(msg, self._keys(msg), rank)
         sync = bool(msg.body.get("sync", True))
         now = time.monotonic()
         self._execute(self.rounds.push(Request(identity, msg), rank, grads, sync, now))

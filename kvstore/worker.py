@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import auth, metrics, transport
+from . import auth, metrics, shm, transport
 from .arrays import copy_into, namespace, reduce_sum, to_host
 from .config import Config, setup_logging, warn_if_insecure
 from .control import Control, raise_for
@@ -33,6 +33,8 @@ from .sharding import place
 from .store import KVStore
 
 log = logging.getLogger("kvstore.worker")
+
+SHM_FROM = 65536  # bytes: a part at least this big goes through shared memory on one host
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -108,6 +110,8 @@ class DistStore(KVStore):
         self._layout: dict = {}  # key -> [(server, part, lo, hi)]
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
+        self._segments = shm.WorkerSegments(self._rank)
+        self._shm_servers = self._hello() if cfg.shm and shm.available() else set()
         log.info(
             "worker %d of %d connected to %d servers",
             self._rank,
@@ -117,6 +121,21 @@ class DistStore(KVStore):
         # Horovod and MXNet scripts never close their store: close it when it is collected or
         # at exit, whichever comes first.
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _hello(self) -> set:
+        """The servers on this host, which take big parts through shared memory."""
+        local: set = set()
+
+        def answer(server):
+            return lambda msg: msg.body.get("shm") is True and local.add(server)
+
+        host = shm.host_id()
+        ids = [
+            self._send(s, "hello", {"host": host}, on_reply=answer(s))
+            for s in range(len(self._servers))
+        ]
+        self._wait("kvstore.create (hello)", ids)
+        return local
 
     @property
     def rank(self) -> int:
@@ -225,7 +244,7 @@ class DistStore(KVStore):
             batches = self._batches(items, lambda item: self._flat(item.values[:1]))
             ids = [
                 self._send(s, "init", {"keys": keys}, arrays)
-                for s, (keys, arrays, _) in batches.items()
+                for s, (keys, arrays, *_) in batches.items()
             ]
             self._wait("init", ids)
         self.barrier()
@@ -239,7 +258,7 @@ class DistStore(KVStore):
         on_reply, finish = self._receiver(items)
         ids = [
             self._send(s, "pull", {"keys": keys}, on_reply=on_reply)
-            for s, (keys, _, _) in self._batches(items, None).items()
+            for s, (keys, *_) in self._batches(items, None).items()
         ]
         self._wait("pull", ids)
         finish()
@@ -255,15 +274,17 @@ class DistStore(KVStore):
     def _send_push(self, kind: str, items, on_reply, trackers=None) -> list:
         """Send the pushes of ``items``, one message per server. Without ``trackers`` to fill,
         return only when ZeroMQ has let go of the caller's buffers (they may be reused)."""
-        batches = self._batches(items, lambda item: self._flat(item.values), compress=True)
+        batches = self._batches(items, lambda item: self._flat(item.values), push=True)
         body = {"sync": self._sync}
         if self._compression is not None:
             body["compression"] = self._compression.params()
         own_trackers = trackers is None
         trackers = [] if own_trackers else trackers
         ids = []
-        for server, (keys, arrays, headers) in batches.items():
+        for server, (keys, arrays, headers, shared) in batches.items():
             extra = {"headers": headers} if self._compression is not None else {}
+            if shared:
+                extra["shm"] = shared
             ids.append(
                 self._send(
                     server, kind, {"keys": keys, **body, **extra}, arrays, on_reply, trackers
@@ -281,9 +302,12 @@ class DistStore(KVStore):
         total = reduce_sum(values, first.dtype, on_device=self._on_device)
         return np.ascontiguousarray(to_host(total)).reshape(-1)
 
-    def _batches(self, items, flatten, compress=False) -> dict:
-        """server -> ([wire key], [array slice], [compression header]) for ``items``."""
+    def _batches(self, items, flatten, push=False) -> dict:
+        """server -> ([wire key], [array slice], [compression header], [shm entry]) for
+        ``items``. A big slice for a server on this host goes into its shared segment and
+        travels as an empty array (see :mod:`kvstore.shm`)."""
         batches: dict = {}
+        compressing = push and self._compression is not None
         for item in items:
             flat = None
             if flatten is not None:
@@ -292,19 +316,38 @@ class DistStore(KVStore):
                 if meta is not None and flat.dtype != meta.dtype:
                     flat = flat.astype(meta.dtype)
             for server, part, lo, hi in self._layout[item.key]:
-                keys, arrays, headers = batches.setdefault(server, ([], [], []))
+                keys, arrays, headers, shared = batches.setdefault(server, ([], [], [], []))
                 keys.append([item.key, part])
                 if flat is None:
                     continue
                 piece = flat[lo:hi]
-                if compress and self._compression is not None:
+                if compressing:
                     packed, header = self._compression.encode(
                         self._residuals, (item.key, part), piece
                     )
                     piece = packed
                     headers.append(header)
+                elif push and server in self._shm_servers and piece.nbytes >= SHM_FROM:
+                    shared.append([len(arrays), *self._to_segment((item.key, part), piece)])
+                    piece = piece[:0]
                 arrays.append(piece)
         return batches
+
+    def _to_segment(self, where: tuple, piece: np.ndarray) -> tuple[str, int]:
+        """Copy a push into its shared segment once the server has taken the previous one."""
+        segment = self._segments.get(where, piece.nbytes)
+        written = int(segment.counters[0])
+        deadline = time.monotonic() + self.cfg.request_timeout
+        while int(segment.counters[1]) != written:  # the server copies a push out on receipt
+            if time.monotonic() > deadline:
+                raise KVStoreError(
+                    f"push: the server did not take the previous push of {where[0]!r} from "
+                    f"shared memory within {self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)"
+                )
+            time.sleep(0.0001)
+        np.copyto(segment.push.view(piece.dtype), piece)
+        segment.counters[0] = written + 1
+        return segment.name, written + 1
 
     def _receiver(self, items):
         """A reply handler writing pulled slices into each item's outputs, and a finisher
@@ -322,9 +365,16 @@ class DistStore(KVStore):
             staged.append((item, flat, direct))
 
         def on_reply(msg: Message) -> None:
-            for (key, part), array in zip(msg.body["keys"], msg.arrays, strict=True):
+            shared = msg.body.get("shm") or ()
+            for i, ((key, part), array) in enumerate(
+                zip(msg.body["keys"], msg.arrays, strict=True)
+            ):
                 flat, parts = targets[key]
                 lo, hi = parts[part]
+                if i in shared:  # the server left the value in this part's shared segment
+                    segment = self._segments.segments[(key, part)]
+                    array = segment.pull.view(flat.dtype)
+                    segment.unlink()  # both sides have it mapped: no name left behind
                 flat[lo:hi] = array
 
         def finish() -> None:
@@ -442,6 +492,7 @@ class DistStore(KVStore):
         if self._closed:
             return
         self._closed = True
+        self._segments.close()
         self._control.close(finalize=False, failed=reason if self._failure is None else "")
         for sock in self._sockets:
             sock.close(linger=0)
@@ -463,6 +514,8 @@ class DistStore(KVStore):
 
     def _shutdown(self, finalize: bool) -> None:
         self._closed = True
+        if hasattr(self, "_segments"):
+            self._segments.close()
         self._control.close(finalize=finalize)
         for sock in self._sockets:
             sock.close(linger=0)  # every request was answered, or the job has failed

@@ -71,7 +71,8 @@ def test_frozen_worker_neither_stalls_the_server_nor_sees_torn_data(cluster, tmp
     """Bugs 3 and 4: a big reply stuck on its way to a frozen worker. The server finishes
     the other rounds at once (it used to wait up to KVSTORE_TIMEOUT), and the reply, read
     after the thaw, holds the value of its own round (the update used to write into it)."""
-    c = cluster(1, 2, KVSTORE_TIMEOUT=40, KVSTORE_HEARTBEAT_TIMEOUT=30)
+    # the TCP path (a reply that ZeroMQ still sends): no shared memory
+    c = cluster(1, 2, KVSTORE_TIMEOUT=40, KVSTORE_HEARTBEAT_TIMEOUT=30, KVSTORE_SHM=0)
     c.then = "resume"
     workers = _freeze_rank1(c, tmp_path / "go")
     try:
@@ -86,7 +87,7 @@ def test_frozen_worker_neither_stalls_the_server_nor_sees_torn_data(cluster, tmp
 
 def test_frozen_worker_is_declared_dead_within_the_heartbeat_timeout(cluster, tmp_path):
     """Bug 4: the job failed after 41s (KVSTORE_TIMEOUT) instead of ~5s (heartbeats)."""
-    c = cluster(1, 2, KVSTORE_TIMEOUT=40, KVSTORE_HEARTBEAT_TIMEOUT=3)
+    c = cluster(1, 2, KVSTORE_TIMEOUT=40, KVSTORE_HEARTBEAT_TIMEOUT=3, KVSTORE_SHM=0)
     c.then = "dead"
     workers = _freeze_rank1(c, tmp_path / "go")
     assert c.wait(workers[:1], 30) == [3], c.dump()

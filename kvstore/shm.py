@@ -1,0 +1,118 @@
+"""Same-host fast path: big key parts pass between a worker and a server through shared
+memory; ZeroMQ carries only the small control message.
+
+A worker makes one segment per big key part it pushes to a server on its own host (the
+server says so in its answer to the worker's ``hello``: same boot id). The segment holds a
+header of two counters, then the push region (the worker writes its gradient there), then
+the pull region (the server writes the value it answers with there)::
+
+    [written: u64][consumed: u64][pad to 64 B][push: nbytes][pull: nbytes]
+
+- push: the worker waits until ``consumed == written`` (the server copied the previous push
+  out), copies the gradient in, bumps ``written`` and sends the push with an empty array and
+  ``{"shm": {index: [name, written]}}``; the server checks the counter, copies the push out
+  and sets ``consumed``.
+- pull: the server copies the stored value into the pull region before it answers with an
+  empty array and ``{"shm": [index, ...]}``; the worker has one request per key in flight, so
+  the region is never written while it reads.
+
+The file in ``/dev/shm`` is created with mode 0600 and removed by the worker as soon as the
+server has mapped it (its first answer), so nothing is left behind even if a process dies;
+the mappings live on until both close them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+
+import numpy as np
+
+HEADER = 64
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"kvs-[0-9a-f]{16}-w(\d+)-\d+")
+
+
+def host_id() -> str:
+    """Equal for two processes exactly when they share this machine's memory (this boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def available() -> bool:
+    return bool(host_id()) and os.path.isdir(SHM_DIR)
+
+
+class Segment:
+    """One key part's push and pull regions, shared by a worker and a server."""
+
+    def __init__(self, name: str, nbytes: int, create: bool):
+        path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            size = HEADER + 2 * nbytes
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise ValueError(f"shared segment {name}: wrong size, expected {size} bytes")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.name, self.nbytes, self.path = name, nbytes, path
+        self.counters = np.ndarray((2,), np.uint64, self._map, 0)
+        self.push = np.ndarray((nbytes,), np.uint8, self._map, HEADER)
+        self.pull = np.ndarray((nbytes,), np.uint8, self._map, HEADER + nbytes)
+        self.linked = create
+
+    def unlink(self) -> None:
+        """Remove the name (the mappings stay): once both sides have it mapped."""
+        if self.linked:
+            self.linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.counters = self.push = self.pull = None
+        try:
+            self._map.close()
+        except BufferError:  # a view still exported: the mapping goes with the process
+            pass
+
+
+class WorkerSegments:
+    """A worker's segments, by (server, key, part)."""
+
+    def __init__(self, rank: int):
+        self.prefix = f"kvs-{secrets.token_hex(8)}-w{rank}"
+        self.segments: dict = {}
+        self._count = 0
+
+    def get(self, where: tuple, nbytes: int) -> Segment:
+        segment = self.segments.get(where)
+        if segment is None:
+            self._count += 1
+            segment = Segment(f"{self.prefix}-{self._count}", nbytes, create=True)
+            self.segments[where] = segment
+        return segment
+
+    def close(self) -> None:
+        for segment in self.segments.values():
+            segment.close()
+        self.segments.clear()
+
+
+def open_for(name: str, rank: int, nbytes: int) -> Segment:
+    """A server opens a worker's segment: only one of that worker's names, of the right size."""
+    match = _NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None or int(match[1]) != rank:
+        raise ValueError(f"shared segment name {name!r:.80} is not worker {rank}'s")
+    return Segment(name, nbytes, create=False)
