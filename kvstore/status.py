@@ -57,7 +57,7 @@ class StatusServer:
         self._registry = None
         self._thread = threading.Thread(
             target=self.httpd.serve_forever,
-            kwargs={"poll_interval": 0.5},
+            kwargs={"poll_interval": 0.1},  # shutdown() waits up to this long
             name="kvstore-status",
             daemon=True,
         )
