@@ -35,7 +35,7 @@ rank's rows at its offset in zeros. Each distinct (name, dtype, shape) is a key,
 ``broadcast_optimizer_state`` serialise with pickle, between the workers of one job (as
 Horovod's cloudpickle); the servers only ever see bytes.
 
-Requires the ``torch`` extra (``pip install 'kvstore[torch]'``). Tensors travel through host
+Requires the ``torch`` extra (``pip install 'kvstore-ps[torch]'``). Tensors travel through host
 memory as NumPy arrays; the store must sum (``dist_sync``, ``dist_device_sync``, ``local``,
 ``device``).
 """
@@ -46,7 +46,7 @@ try:
     import torch
 except ImportError as exc:  # the message a user sees instead of a bare ModuleNotFoundError
     raise ImportError(
-        "kvstore.torch needs PyTorch, which is not installed: pip install 'kvstore[torch]' "
+        "kvstore.torch needs PyTorch, which is not installed: pip install 'kvstore-ps[torch]' "
         "(or torch's own CPU/CUDA wheel from https://pytorch.org)"
     ) from exc
 
@@ -253,20 +253,21 @@ def init(kv_store: str | KVStore | None = None) -> None:
     with _init_lock:
         if _state.comm is not None:
             return
+        import kvstore
+
         if isinstance(kv_store, KVStore):
             kv, owned = kv_store, False
         else:
-            import kvstore
-
             if kv_store is None:
                 kv_store = "dist_sync" if os.environ.get("DMLC_ROLE") else "local"
             kv, owned = kvstore.create(kv_store), True
-        if kv.type not in _SUMMING_TYPES:
+        # kv.type is the name given ("dist", "nccl", ...): judge the store it names
+        if kvstore.ALIASES.get(kv.type, kv.type) not in _SUMMING_TYPES:
             if owned:
                 kv.close()
             raise ValueError(
-                f"kvstore.torch needs a store that sums ({', '.join(_SUMMING_TYPES)}), "
-                f"not {kv.type!r}"
+                f"kvstore.torch needs a store that sums ({', '.join(_SUMMING_TYPES)}, or "
+                f"MXNet's names for them), not {kv.type!r}"
             )
         _state.kv, _state.owned, _state.keys = kv, owned, set()
         _state.comm = _Comm(kv)

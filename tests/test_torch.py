@@ -69,7 +69,7 @@ def test_import_without_torch_names_the_extra():
     )
     assert done.returncode == 1
     assert "kvstore.torch needs PyTorch" in done.stderr
-    assert "pip install 'kvstore[torch]'" in done.stderr
+    assert "pip install 'kvstore-ps[torch]'" in done.stderr
 
 
 def test_calls_before_init_say_so():
@@ -106,6 +106,27 @@ def test_init_refuses_a_store_that_does_not_sum():
         hvd.init(kvstore.KVStore("dist_async"))
     hvd.init(kvstore.create("device"))
     assert hvd.size() == 1
+
+
+@pytest.mark.parametrize("name", ["local_allreduce_cpu", "NCCL", "local_update_cpu"])
+def test_init_takes_mxnet_names_of_summing_stores(name):
+    # kv.type is the name given; kvstore.ALIASES says which store it is
+    hvd.shutdown()
+    kv = kvstore.create(name)
+    assert kv.type == name.lower()
+    hvd.init(kv)
+    assert hvd.allreduce(torch.ones(2), name="x", op=hvd.Sum).tolist() == [1, 1]
+    hvd.shutdown()
+    for given in ("dist", "dist_sync_device"):  # the dist names, without a cluster
+        store = kvstore.KVStore("dist_sync")
+        store._type = given
+        hvd.init(store)
+        hvd.shutdown()
+    store = kvstore.KVStore("dist_async")
+    store._type = "dist_async_device"
+    with pytest.raises(ValueError, match="needs a store that sums.*'dist_async_device'"):
+        hvd.init(store)
+    hvd.init()
 
 
 def test_shutdown_then_init_again():
