@@ -45,7 +45,10 @@ def worker_main(args) -> int:
 
     kv = kvstore.create(args.mode)
     if args.compression:
-        kv.set_gradient_compression({"type": args.compression, "threshold": 0.5})
+        params = {"type": args.compression}
+        if args.compression == "2bit":
+            params["threshold"] = 0.5
+        kv.set_gradient_compression(params)
     sizes = parse_sizes(args.sizes)
     results = []
     for name, nbytes in sizes.items():

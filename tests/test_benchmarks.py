@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from .cluster import ROOT
 
 
@@ -66,3 +68,36 @@ def test_zmq_bound_smoke():
     )
     assert done.returncode == 0, done.stderr
     assert "zmq" in done.stdout and "numpy add" in done.stdout
+
+
+def test_simulated_network_benchmark_smoke():
+    """Two namespaces and a shaped link, made and removed by the benchmark (root only)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "netsim.py"),
+            "--rates",
+            "1gbit",
+            "--sizes",
+            "256K",
+            "--reps",
+            "3",
+            "--budget",
+            "1",
+            "--no-gloo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    if "skipped" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    configs = {r["config"] for r in rows}
+    for config in ("kvstore dist_sync", "kvstore dist_sync 2bit", "kvstore dist_sync 1bit"):
+        assert f"1gbit {config}" in configs, configs
+    assert all(r["median"] > 0 for r in rows)
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "kvsim" not in namespaces  # removed

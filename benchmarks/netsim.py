@@ -1,0 +1,249 @@
+"""kvstore and gloo across a simulated network: two hosts as network namespaces joined by a
+veth link shaped with ``tc`` (token bucket), each host running one worker and one server (the
+colocated layout BytePS deploys), the scheduler on the first.
+
+    sudo python benchmarks/netsim.py --rates 1gbit,10gbit --sizes 4M,64M
+
+For each link rate it measures, per worker: ``dist_sync`` pushpull, the same with 2-bit and
+1-bit compression, and gloo's ``all_reduce`` between the two hosts (when torch is installed),
+and prints one JSON line per measurement and a table. It creates the namespaces and the link
+itself and removes them whatever happens (needs root, ``ip`` and ``tc``; otherwise it says so
+and exits 0). The kernel here has no ``netem``, so the link has a rate but no added delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zmq_bound import human  # noqa: E402
+
+HOSTS = ("kvsimA", "kvsimB")
+ADDRESS = {"kvsimA": "10.77.0.1", "kvsimB": "10.77.0.2"}
+
+
+def why_not() -> str:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (iproute2)"
+    return ""
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+
+class Link:
+    """Two namespaces and a shaped veth pair between them; removed on exit."""
+
+    def __init__(self, rate: str):
+        self.rate = rate
+
+    def __enter__(self):
+        self.__exit__()
+        for ns in HOSTS:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", "kvsimA0", "type", "veth", "peer", "name", "kvsimB0")
+        for ns, dev in zip(HOSTS, ("kvsimA0", "kvsimB0"), strict=True):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{ADDRESS[ns]}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            burst = "4mb" if "10g" in self.rate else "512kb"
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                burst,
+                "latency",
+                "20ms",
+            )
+        return self
+
+    def __exit__(self, *exc):
+        for ns in HOSTS:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+
+
+def in_ns(ns: str, argv: list[str], env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, **kw)
+
+
+def run_kvstore(args, compression: str | None) -> list[dict]:
+    env = dict(
+        os.environ,
+        DMLC_PS_ROOT_URI=ADDRESS["kvsimA"],
+        DMLC_PS_ROOT_PORT="9511",
+        DMLC_NUM_SERVER="2",
+        DMLC_NUM_WORKER="2",
+        PYTHONPATH=str(ROOT),
+        KVSTORE_SECRET=secrets.token_hex(32),
+        KVSTORE_STATUS_PORT="0",
+        # the namespaces share this machine's memory: shared memory would bypass the link
+        KVSTORE_SHM="0",
+    )
+    worker_cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "pushpull.py"),
+        "--as-worker",
+        "--mode",
+        "dist_sync",
+        "--sizes",
+        args.sizes,
+        "--reps",
+        str(args.reps),
+        "--budget",
+        str(args.budget),
+        "--keys",
+        "0",
+    ]
+    if compression:
+        worker_cmd += ["--compression", compression]
+    procs = []
+    try:
+        procs.append(
+            in_ns(
+                "kvsimA",
+                [sys.executable, "-m", "kvstore.scheduler"],
+                dict(env, DMLC_ROLE="scheduler", DMLC_NODE_HOST=ADDRESS["kvsimA"]),
+            )
+        )
+        for i, ns in enumerate(HOSTS):
+            host_env = dict(env, DMLC_NODE_HOST=ADDRESS[ns], KVSTORE_RANK=str(i))
+            procs.append(
+                in_ns(
+                    ns, [sys.executable, "-m", "kvstore.server"], dict(host_env, DMLC_ROLE="server")
+                )
+            )
+        workers = [
+            in_ns(
+                ns,
+                worker_cmd,
+                dict(env, DMLC_ROLE="worker", DMLC_NODE_HOST=ADDRESS[ns], KVSTORE_RANK=str(i)),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i, ns in enumerate(HOSTS)
+        ]
+        procs += workers
+        per_worker = []
+        for w in workers:
+            out, _ = w.communicate(timeout=args.timeout)
+            if w.returncode:
+                raise SystemExit(f"a benchmark worker failed ({w.returncode}):\n{out}")
+            per_worker.append(json.loads(out.split("RESULTS ", 1)[1]))
+    finally:
+        for p in procs:  # by PID
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    from pushpull import mean_over_workers
+
+    return mean_over_workers(per_worker)
+
+
+GLOO = r"""
+import json, sys, time, numpy as np, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[5])
+from zmq_bound import parse_sizes, summary, timed
+rank, sizes, reps, budget = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="tcp://10.77.0.1:9512", rank=rank, world_size=2)
+out = []
+for name, nbytes in parse_sizes(sizes).items():
+    t = torch.ones(nbytes // 4)
+    times = timed(lambda: dist.all_reduce(t), reps, budget)
+    out.append(summary("gloo all_reduce", name, "B/s", [nbytes / x for x in times]))
+print("RESULTS " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def run_gloo(args) -> list[dict]:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("torch not installed: no gloo line", file=sys.stderr)
+        return []
+    argv = [sys.executable, "-c", GLOO]
+    tail = [args.sizes, str(args.reps), str(args.budget), str(ROOT / "benchmarks")]
+    procs = [
+        in_ns(
+            ns,
+            [*argv, str(i), *tail],
+            dict(os.environ, GLOO_SOCKET_IFNAME=f"{ns}0"),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i, ns in enumerate(HOSTS)
+    ]
+    per_rank = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=args.timeout)
+            per_rank.append(json.loads(out.split("RESULTS ", 1)[1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    from pushpull import mean_over_workers
+
+    return mean_over_workers(per_rank)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="1gbit,10gbit")
+    p.add_argument("--sizes", default="4M,64M")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--budget", type=float, default=10.0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-gloo", action="store_true")
+    args = p.parse_args(argv)
+    why = why_not()
+    if why:
+        print(f"netsim: skipped: {why}")
+        return 0
+    rows = []
+    for rate in args.rates.split(","):
+        with Link(rate):
+            for compression in (None, "2bit", "1bit"):
+                for r in run_kvstore(args, compression):
+                    r["config"] = f"{rate} {r['config']}"
+                    rows.append(r)
+            if not args.no_gloo:
+                for r in run_gloo(args):
+                    r["config"] = f"{rate} {r['config']}"
+                    rows.append(r)
+    for r in rows:
+        print(json.dumps(r))
+    print(f"\n{'link / config':34} {'size':>6} {'median':>14}")
+    for r in rows:
+        print(f"{r['config']:34} {r['size']:>6} {human(r['median'], r['unit']):>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
