@@ -236,6 +236,9 @@ def main(argv=None) -> int:
         "--security", choices=sorted(SECURITY), default="auth", help="default: auth (as jobs run)"
     )
     p.add_argument("--no-compression", action="store_true")
+    p.add_argument(
+        "--plot", help="draw the results into this PNG (needs matplotlib: the bench extra)"
+    )
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--compression", help=argparse.SUPPRESS)
@@ -258,7 +261,54 @@ def main(argv=None) -> int:
         f"{time.monotonic() - started:.0f}s; kvstore and gloo figures are per worker"
     )
     print(table(results))
+    if args.plot:
+        plot(results, args.plot, f"W={args.workers} S={args.servers}, {os.cpu_count()} cores")
     return 0
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    """Throughput against message size, log-log: a line per system and mode, bounds dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return
+    sizes: dict = {}  # "4M" -> bytes, for the sizes measured (not the many-keys case)
+    for r in results:
+        if "x" not in r["size"]:
+            sizes.update(parse_sizes(r["size"]))
+    lines: dict = {}
+    for r in results:
+        if r["unit"] == "B/s" and r["size"] in sizes and not r["config"].startswith("numpy"):
+            lines.setdefault(r["config"], []).append((sizes[r["size"]], r["median"] / 2**20))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config, points in lines.items():
+        points.sort()
+        xs, ys = zip(*points, strict=True)
+        bound = config == "zmq"
+        ax.plot(
+            xs,
+            ys,
+            "--" if bound else "-",
+            marker="o",
+            label="raw ZeroMQ round trip" if bound else config,
+        )
+    memory = [r["median"] / 2**20 for r in results if r["config"] == "numpy copy"]
+    if memory:
+        ax.axhline(memory[0], linestyle=":", color="grey", label="NumPy copy (memory bound)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("MiB/s per worker")
+    ax.set_title(f"pushpull throughput, {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

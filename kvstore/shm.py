@@ -68,7 +68,7 @@ class Segment:
         self.counters = np.ndarray((2,), np.uint64, self._map, 0)
         self.push = np.ndarray((nbytes,), np.uint8, self._map, HEADER)
         self.pull = np.ndarray((nbytes,), np.uint8, self._map, HEADER + nbytes)
-        self.linked = create
+        self.linked = True  # a server that opened it removes the name too, if still there
 
     def unlink(self) -> None:
         """Remove the name (the mappings stay): once both sides have it mapped."""
