@@ -423,3 +423,37 @@ def test_entry_points():
     ):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "--num-workers" in done.stdout, argv
+
+
+def test_ssh_colocated_servers_one_per_host(sshd, tmp_path):
+    """--colocate: a server on each host, beside that host's workers (-s from the hosts)."""
+    job = tmp_path / "job"
+    job.mkdir()
+    shutil.copy(LOOP, job / "loop.py")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.2\n")
+    done = launch(
+        "-n",
+        "2",
+        "--colocate",
+        "--launcher",
+        "ssh",
+        "-H",
+        hosts,
+        *sshd.ssh_options(),
+        "--env",
+        "KVSTORE_HEARTBEAT_INTERVAL=0.5",
+        sys.executable,
+        "loop.py",
+        3,
+        cwd=job,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name, host in (
+        ("server 0", "127.0.0.1"),
+        ("server 1", "127.0.0.2"),
+        ("worker 0", "127.0.0.1"),
+        ("worker 1", "127.0.0.2"),
+    ):
+        assert f"launch: started {name} on {host} " in done.stdout, done.stdout
+    assert "1 servers" not in done.stdout and "[worker 1] done" in done.stdout

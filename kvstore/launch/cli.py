@@ -58,7 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         "-s",
         "--num-servers",
         type=int,
-        help="number of server processes (default: the number of workers)",
+        help="number of server processes (default: the number of workers; with --colocate, "
+        "the number of hosts)",
+    )
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="one server on each host of the hostfile, beside that host's workers (BytePS's "
+        "layout): each worker then sends only (H-1)/H of its bytes off its host, and the part "
+        "for its own host's server goes through shared memory",
     )
     p.add_argument(
         "--launcher",
@@ -158,6 +166,8 @@ def make_spec(args, parser) -> JobSpec:
     if command[0].startswith("-"):
         parser.error(f"unrecognized option {command[0]!r}")
     num_servers = args.num_workers if args.num_servers is None else args.num_servers
+    if args.colocate and args.num_servers is None and args.hostfile:
+        num_servers = len({h.name for h in parse_hostfile(args.hostfile)})
     if args.num_workers < 1 or num_servers < 1:
         parser.error("-n/--num-workers and -s/--num-servers must be >= 1")
     if not 0 <= args.port < 65536:
@@ -221,6 +231,7 @@ def make_spec(args, parser) -> JobSpec:
         ssh_options=args.ssh_option,
         sync_dst_dir=args.sync_dst_dir,
         launcher=launcher,
+        colocate=args.colocate,
     )
 
 

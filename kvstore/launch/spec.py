@@ -45,6 +45,7 @@ class JobSpec:
     ssh_options: list[str] = field(default_factory=list)
     sync_dst_dir: str | None = None
     launcher: str = "local"
+    colocate: bool = False  # server i on the i-th host, workers round-robin over the hosts
 
     @property
     def num_procs(self) -> int:

@@ -47,6 +47,10 @@ def remote_command(spec: JobSpec, env: dict, argv: list[str]) -> str:
 
 def processes(spec: JobSpec) -> list[Proc]:
     hosts = place(spec.hosts, spec.num_procs)
+    if spec.colocate:  # a server per host, the workers beside them
+        distinct = list(dict.fromkeys(spec.hosts))
+        servers = [distinct[i % len(distinct)] for i in range(spec.num_servers)]
+        hosts = servers + place(spec.hosts, spec.num_workers)
     procs = []
     for (role, rank), host in zip(spec.roles(), hosts, strict=True):
         env = {**spec.role_env(role, rank), "DMLC_NODE_HOST": host.name}
