@@ -1,18 +1,27 @@
 """Every environment variable the runtime reads, read once and validated here.
 
 ps-lite's names (``DMLC_*``, ``PS_VERBOSE``) keep existing launch scripts working; our own
-settings use the ``KVSTORE_`` prefix. A bad value is a ``ValueError`` naming the variable.
+settings use the ``KVSTORE_`` prefix. A bad value is a :class:`~kvstore.errors.ConfigError`
+(a ``ValueError``; a process ending with it exits 2) naming the variable.
+
+Kubeflow's MXJob gives every container ``MX_CONFIG`` (JSON: ``{"cluster": {"scheduler":
+["host:port"], "server": [...], "worker": [...]}, "task": {"type": "worker", "index": 0}}``);
+any ``DMLC_*`` variable missing is filled from it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import ipaddress
+import json
 import logging
 import os
 import socket
 import struct
 import sys
 from dataclasses import dataclass
+
+from .errors import ConfigError
 
 ROLES = ("scheduler", "server", "worker")
 
@@ -53,9 +62,10 @@ class Config:
     @classmethod
     def from_env(cls, env=None) -> Config:
         env = os.environ if env is None else env
+        env = with_mx_config(env)
         role = env.get("DMLC_ROLE", "")
         if role not in ROLES:
-            raise ValueError(
+            raise ConfigError(
                 f"DMLC_ROLE must be one of {ROLES}, got {role!r}: start distributed "
                 "jobs with launch.py, or set DMLC_ROLE and the DMLC_* variables"
             )
@@ -85,7 +95,7 @@ class Config:
                 low=1,
             ),
             server_port=_number(env, "KVSTORE_SERVER_PORT", 0, int, low=0, high=65535),
-            rank_hint=_number(env, "KVSTORE_RANK", -1, int, low=-1),
+            rank_hint=_rank_hint(env, role),
             secret=_secret(env),
             insecure=_flag(env, "KVSTORE_INSECURE"),
             encrypt=_flag(env, "KVSTORE_ENCRYPT"),
@@ -98,7 +108,7 @@ class Config:
             timeline=env.get("KVSTORE_TIMELINE", ""),
         )
         if not cfg.secret and not cfg.insecure:
-            raise ValueError(
+            raise ConfigError(
                 "no job secret: every process of a job needs the same KVSTORE_SECRET (or "
                 "KVSTORE_SECRET_FILE, a file only its owner can read). launch.py makes one; "
                 "by hand: export KVSTORE_SECRET=$(python -c 'import secrets; "
@@ -106,8 +116,77 @@ class Config:
                 "authentication (anyone who reaches a port can join the job)"
             )
         if cfg.insecure and cfg.encrypt:
-            raise ValueError("KVSTORE_ENCRYPT=1 needs authentication: unset KVSTORE_INSECURE")
+            raise ConfigError("KVSTORE_ENCRYPT=1 needs authentication: unset KVSTORE_INSECURE")
         return cfg
+
+
+def with_mx_config(env) -> dict:
+    """``env`` with every ``DMLC_*`` variable it lacks filled from Kubeflow MXJob's
+    ``MX_CONFIG``: the role from ``task.type``, the scheduler's host and port from
+    ``cluster.scheduler[0]``, the counts from the lengths of ``cluster.server`` and
+    ``cluster.worker``. Variables already set win.
+
+    >>> with_mx_config({"MX_CONFIG": '{"cluster": {"scheduler": ["s-0:9091"], '
+    ...     '"server": ["a:1"], "worker": ["b:1", "c:1"]}, "task": {"type": "worker", '
+    ...     '"index": 1}}'})["DMLC_NUM_WORKER"]
+    '2'
+    """
+    raw = env.get("MX_CONFIG", "")
+    if not raw:
+        return env
+    config = _mx_config(raw)
+    cluster, task = config["cluster"], config["task"]
+    found = {"DMLC_ROLE": str(task["type"])}
+    if cluster.get("scheduler"):
+        host, _, port = str(cluster["scheduler"][0]).rpartition(":")
+        if not host or not port:
+            raise ConfigError(
+                f"MX_CONFIG: cluster.scheduler[0]={cluster['scheduler'][0]!r}: expected 'host:port'"
+            )
+        found.update({"DMLC_PS_ROOT_URI": host.strip("[]"), "DMLC_PS_ROOT_PORT": port})
+    for role, name in (("server", "DMLC_NUM_SERVER"), ("worker", "DMLC_NUM_WORKER")):
+        if role in cluster:
+            found[name] = str(len(cluster[role]))
+    merged = dict(env)
+    for name, value in found.items():
+        if not merged.get(name):
+            merged[name] = value
+    return merged
+
+
+def _mx_config(raw: str) -> dict:
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"MX_CONFIG is not valid JSON: {exc}") from None
+    ok = (
+        isinstance(config, dict)
+        and isinstance(config.get("cluster"), dict)
+        and isinstance(config.get("task"), dict)
+        and all(isinstance(v, list) for v in config["cluster"].values())
+        and config["task"].get("type") in ROLES
+    )
+    if not ok:
+        raise ConfigError(
+            'MX_CONFIG: expected Kubeflow MXJob\'s JSON, {"cluster": {"scheduler": '
+            '["host:port"], "server": [...], "worker": [...]}, "task": '
+            f'{{"type": one of {ROLES}, "index": 0}}}}; got {raw[:200]!r}'
+        )
+    return config
+
+
+def _rank_hint(env, role: str) -> int:
+    """KVSTORE_RANK, else DMLC_WORKER_ID (a worker's), else MX_CONFIG's task.index; -1: none."""
+    if env.get("KVSTORE_RANK", "") != "":
+        return _number(env, "KVSTORE_RANK", -1, int, low=-1)
+    if role == "worker" and env.get("DMLC_WORKER_ID", "") != "":
+        return _number(env, "DMLC_WORKER_ID", -1, int, low=0)
+    if env.get("MX_CONFIG"):
+        index = _mx_config(env["MX_CONFIG"])["task"].get("index", -1)
+        if not isinstance(index, int) or isinstance(index, bool) or index < -1:
+            raise ConfigError(f"MX_CONFIG: task.index={index!r} is not a rank (an int >= 0)")
+        return index
+    return -1
 
 
 def _flag(env, name: str, default: bool = False) -> bool:
@@ -118,7 +197,7 @@ def _flag(env, name: str, default: bool = False) -> bool:
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"{name}={env[name]!r}: expected 1 or 0")
+    raise ConfigError(f"{name}={env[name]!r}: expected 1 or 0")
 
 
 def _secret(env) -> bytes:
@@ -129,23 +208,23 @@ def _secret(env) -> bytes:
         try:
             mode = os.stat(path).st_mode
             if mode & 0o077:
-                raise ValueError(
+                raise ConfigError(
                     f"KVSTORE_SECRET_FILE={path!r} can be read by other users "
                     f"(mode {mode & 0o777:o}): chmod 600 it"
                 )
             with open(path) as f:
                 value = f.read().strip()
         except OSError as exc:
-            raise ValueError(f"KVSTORE_SECRET_FILE={path!r}: {exc.strerror}") from None
+            raise ConfigError(f"KVSTORE_SECRET_FILE={path!r}: {exc.strerror}") from None
     if value and len(value) < 16:
-        raise ValueError("KVSTORE_SECRET is too short: use at least 16 characters (32 hex bytes)")
+        raise ConfigError("KVSTORE_SECRET is too short: use at least 16 characters (32 hex bytes)")
     return value.encode()
 
 
 def _require(env, name: str) -> str:
     value = env.get(name, "")
     if not value:
-        raise ValueError(f"{name} is not set: the launcher sets it (see launch.py -h)")
+        raise ConfigError(f"{name} is not set: the launcher sets it (see launch.py -h)")
     return value
 
 
@@ -153,30 +232,78 @@ def _number(env, name, default, kind, low=None, high=None):
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
-            raise ValueError(f"{name} is not set: the launcher sets it (see launch.py -h)")
+            raise ConfigError(f"{name} is not set: the launcher sets it (see launch.py -h)")
         raw = default
     try:
         value = kind(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name}={raw!r} is out of range [{low}, {high}]")
+        raise ConfigError(f"{name}={raw!r} is out of range [{low}, {high}]")
     return value
 
 
 def _node_host(env, root_uri: str) -> str:
     """The address this node announces: DMLC_NODE_HOST, else DMLC_INTERFACE's, else the
-    address this machine uses to reach the scheduler."""
+    address this machine uses to reach the scheduler. When the scheduler's name does not
+    resolve yet (a Kubernetes headless service's record appears only once its pod is ready),
+    this machine's own address (a pod's hostname resolves to its IP), never 127.0.0.1."""
     if env.get("DMLC_NODE_HOST"):
         return env["DMLC_NODE_HOST"]
     if env.get("DMLC_INTERFACE"):
         return interface_address(env["DMLC_INTERFACE"])
+    routed = _route_source(root_uri)
+    if routed:
+        return routed
+    try:
+        own = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        own = ""
+    if own and not own.startswith("127."):
+        return own
+    # the hostname maps to loopback (a container's /etc/hosts): the default route's address
+    routed = _route_source("192.0.2.1")  # TEST-NET-1: only the route is looked up
+    if routed or own:
+        return routed or own
+    raise ConfigError(
+        f"DMLC_PS_ROOT_URI={root_uri!r} does not resolve yet and this host's name "
+        f"{socket.gethostname()!r} does not either: set DMLC_NODE_HOST (the address "
+        "the other nodes reach this one at) or DMLC_INTERFACE"
+    )
+
+
+def _route_source(host: str) -> str:
+    """The local address of the route to ``host``, or "" (a name that does not resolve)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((root_uri, 9))  # UDP connect sends nothing; it only picks a route
+            probe.connect((host, 9))  # UDP connect sends nothing; it only picks a route
             return probe.getsockname()[0]
     except OSError:
+        return ""
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` is an IP literal of this machine (one a socket can bind to)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return False  # a name
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def bind_host(host: str) -> str:
+    """Where to listen for an address a node is reached at: that address when it is an IP
+    literal of this machine (a job on one machine stays on loopback), else every interface
+    (``*``): a DNS name may not resolve yet (Kubernetes), or resolve to an address of a NAT.
+    """
+    if host == "localhost":
         return "127.0.0.1"
+    return host if is_local_address(host) else "*"
 
 
 def interface_address(name: str) -> str:
@@ -186,7 +313,7 @@ def interface_address(name: str) -> str:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
         return socket.inet_ntoa(packed[20:24])
     except OSError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"DMLC_INTERFACE={name!r}: no IPv4 address on that interface "
             f"({exc.strerror}); see `ip addr` for the names"
         ) from None

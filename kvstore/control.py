@@ -13,9 +13,11 @@ Each heartbeat carries the node's counters (:attr:`Control.metrics`, a
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -24,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import auth
 from .config import Config
-from .errors import KVStoreError
+from .errors import AuthError, KVStoreError, PeerLostError
 from .metrics import NodeMetrics
 from .protocol import Message, decode, encode
 from .timeline import Tracer
@@ -37,6 +39,8 @@ class Control:
     def __init__(self, ctx: zmq.Context, cfg: Config, role: str, port: int, cred: str = ""):
         self.cfg, self.role, self.port, self.cred = cfg, role, port, cred
         self.ctx = ctx
+        # DMLC_PS_ROOT_URI may be a name that resolves only later (Kubernetes): wait for it
+        self.address = f"tcp://{resolve_scheduler(cfg)}:{cfg.root_port}"
         self.metrics = NodeMetrics(role) if cfg.metrics else None
         self.tracer = Tracer(cfg.timeline, role) if cfg.timeline and role == "worker" else None
         endpoint = f"inproc://kvstore-control-{id(self)}"
@@ -63,7 +67,7 @@ class Control:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.pipe.poll(left * 1000):
-                raise KVStoreError(
+                raise PeerLostError(
                     f"{what}: no answer from the scheduler at "
                     f"{self.cfg.scheduler_address} within {timeout:g}s"
                 )
@@ -101,7 +105,9 @@ class Control:
         sock.setsockopt(zmq.IDENTITY, f"{self.role}-{os.getpid()}-{id(self)}".encode())
         sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         auth.control_socket(sock, cfg)
-        sock.connect(cfg.scheduler_address)
+        if self.address.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(self.address)
         sock.send_multipart(
             encode(
                 Message(
@@ -190,6 +196,49 @@ class Control:
             return {}
 
 
+def resolve_scheduler(cfg: Config, sleep=time.sleep, clock=time.monotonic) -> str:
+    """The scheduler's IP address: DMLC_PS_ROOT_URI itself when it is one, else the name
+    resolved with getaddrinfo, retried (0.1 s doubling to 2 s apart) until the start-up
+    deadline (KVSTORE_START_TIMEOUT): a Kubernetes headless service's record appears only
+    once the scheduler's pod is ready. Then a :class:`PeerLostError` naming the host.
+
+    >>> resolve_scheduler(Config.from_env({...}))  # doctest: +SKIP
+    '10.244.1.7'
+    """
+    host = cfg.root_uri
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        return f"[{ip}]" if ip.version == 6 else str(ip)
+    except ValueError:
+        pass
+    started = clock()
+    delay, tries = 0.1, 0
+    while True:
+        tries += 1
+        try:
+            found = socket.getaddrinfo(host, cfg.root_port, type=socket.SOCK_STREAM)
+            v4 = [a[4][0] for a in found if a[0] == socket.AF_INET]
+            v6 = [a[4][0] for a in found if a[0] == socket.AF_INET6]
+            if v4 or v6:
+                if tries > 1:
+                    log.info("scheduler host %r resolved after %.1fs", host, clock() - started)
+                return v4[0] if v4 else f"[{v6[0]}]"
+            error = "no IPv4 or IPv6 address"
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+        left = started + cfg.start_timeout - clock()
+        if left <= 0:
+            raise PeerLostError(
+                f"cannot resolve the scheduler's host {host!r} (DMLC_PS_ROOT_URI): waited "
+                f"{clock() - started:.1f}s, {tries} tries (KVSTORE_START_TIMEOUT="
+                f"{cfg.start_timeout:g}s); last error: {error}"
+            )
+        if tries == 1:
+            log.info("scheduler host %r does not resolve yet (%s); retrying", host, error)
+        sleep(min(delay, left))
+        delay = min(2.0, delay * 2)
+
+
 def _scheduler_failed(cfg: Config, silent: float) -> Message:
     node = f"scheduler ({cfg.root_uri}:{cfg.root_port})"
     reason = f"the scheduler sent nothing for {silent:.1f}s"
@@ -210,14 +259,16 @@ def _key_refused(cfg: Config) -> Message:
         "(launch.py gives its processes one; started by hand, export the same value "
         "everywhere), or KVSTORE_INSECURE=1 everywhere"
     )
-    return Message("node_failed", 0, "control", {"node": node, "reason": reason})
+    return Message("node_failed", 0, "control", {"node": node, "reason": reason, "auth": True})
 
 
 def raise_for(msg: Message, what: str) -> None:
-    """Turn an error or failure notice into a :class:`KVStoreError`; ignore anything else."""
+    """Turn an error or failure notice into a :class:`KVStoreError` (a lost peer: a
+    :class:`PeerLostError`; a refused key: an :class:`AuthError`); ignore anything else."""
     if msg.kind == "error":
         raise KVStoreError(f"{what}: {msg.body['message']}")
     if msg.kind == "node_failed":
-        raise KVStoreError(f"{what}: {msg.body['node']} failed: {msg.body['reason']}")
+        kind = AuthError if msg.body.get("auth") else PeerLostError
+        raise kind(f"{what}: {msg.body['node']} failed: {msg.body['reason']}")
     if msg.kind == "shutdown":
-        raise KVStoreError(f"{what}: the scheduler ended the job")
+        raise PeerLostError(f"{what}: the scheduler ended the job")

@@ -19,7 +19,6 @@ Run it alone with ``DMLC_ROLE=scheduler ... python -m kvstore.scheduler``.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ import zmq
 
 from . import auth, status, transport
 from . import metrics as node_metrics
-from .config import Config, setup_logging, warn_if_insecure
+from .config import Config, bind_host, setup_logging, warn_if_insecure
+from .errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 
 log = logging.getLogger("kvstore.scheduler")
@@ -72,6 +72,8 @@ class Scheduler:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # control messages only
         auth.scheduler_socket(self.sock, cfg)
         try:
+            # a name (Kubernetes: a headless service's, resolvable only once this pod is
+            # ready) or another machine's address: listen on every interface
             self.sock.bind(f"tcp://{bind_host(cfg.root_uri)}:{cfg.root_port}")
         except zmq.ZMQError as exc:
             self.close()
@@ -516,13 +518,13 @@ class Scheduler:
         log.error("node failed: %s failed: %s", node.name, reason)
         failure = Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason})
         self._broadcast(failure, skip=node.identity)
-        return 1
+        return EXIT_FAILED  # the worker's own error (its exit status says more)
 
     def _finalize_quietly(self, node: Node) -> int | None:
         node.finalized = True
         if all(n.finalized for n in self.nodes.values() if n.role == "worker"):
             self._broadcast(Message("shutdown", 0, "scheduler"), roles=("server",))
-            return 1
+            return EXIT_FAILED  # after a deadlock
         return None
 
     def _finalize(self, node: Node, msg: Message) -> int | None:
@@ -538,7 +540,7 @@ class Scheduler:
         if self.ready and all(n.finalized for n in workers):
             log.info("all workers finished; shutting servers down")
             self._broadcast(Message("shutdown", 0, "scheduler"), roles=("server",))
-            return 1 if self.failure else 0
+            return EXIT_FAILED if self.failure else 0
         return None
 
     def _check_deadlines(self) -> int | None:
@@ -558,7 +560,7 @@ class Scheduler:
             self._broadcast(
                 Message("node_failed", 0, "scheduler", {"node": "scheduler", "reason": text})
             )
-            return 1
+            return EXIT_PEER_LOST  # a node that never came may come on a retry
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.cfg.heartbeat_timeout:
                 reason = (
@@ -572,7 +574,7 @@ class Scheduler:
                     Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason}),
                     skip=node.identity,
                 )
-                return 1
+                return EXIT_PEER_LOST
         for group, state in list(self.barriers.items()) if self.cfg.round_timeout > 0 else ():
             if now - state["t0"] > self.cfg.round_timeout:
                 arrived = set(state["ids"])
@@ -594,30 +596,20 @@ class Scheduler:
         return None
 
 
-def bind_host(host: str) -> str:
-    """ZeroMQ binds to addresses, not names: resolve DMLC_PS_ROOT_URI when it is a name."""
-    if host in ("0.0.0.0", "", "*"):
-        return "*"
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host  # the bind that follows reports it
-
-
 def main() -> int:
     try:
         cfg = Config.from_env()
     except ValueError as exc:
         print(f"kvstore.scheduler: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     setup_logging(cfg.verbose, "scheduler")
     warn_if_insecure(cfg, log)
     try:
         scheduler = Scheduler(cfg)
-    except OSError as exc:
+    except OSError as exc:  # the port is taken: permanent
         log.error("%s", exc)
         print(f"kvstore.scheduler: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     try:
         exit_status = scheduler.run()
         scheduler.linger(exit_status)

@@ -30,9 +30,9 @@ import zmq
 from . import auth, metrics, shm, transport
 from . import optimizer as opt
 from .compression import Compression, packed_size
-from .config import Config, setup_logging, warn_if_insecure
+from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
-from .errors import KVStoreError
+from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
 from .memory import tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
@@ -61,20 +61,27 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message)
         auth.server_socket(self.sock, cfg, self.cred)
+        # Workers reach it at cfg.node_host; listen there only when that is an address of this
+        # machine (loopback for a job on one machine), else on every interface (a pod's
+        # address behind a name, a NAT)
+        where = bind_host(cfg.node_host)
         try:
             if cfg.server_port:
-                self.sock.bind(f"tcp://{cfg.node_host}:{cfg.server_port}")
+                self.sock.bind(f"tcp://{where}:{cfg.server_port}")
                 self.port = cfg.server_port
             else:
-                self.port = self.sock.bind_to_random_port(f"tcp://{cfg.node_host}")
+                self.port = self.sock.bind_to_random_port(f"tcp://{where}")
         except zmq.ZMQError as exc:
-            self.sock.close()
-            self.ctx.term()
+            self.close_sockets()
             raise OSError(
-                f"server cannot listen on {cfg.node_host}:{cfg.server_port or '*'}: "
+                f"server cannot listen on {where}:{cfg.server_port or '*'}: "
                 f"{exc.strerror}; free the port or change KVSTORE_SERVER_PORT"
             ) from None
-        self.control = Control(self.ctx, cfg, "server", self.port, self.cred.public)
+        try:
+            self.control = Control(self.ctx, cfg, "server", self.port, self.cred.public)
+        except KVStoreError:
+            self.close_sockets()
+            raise
         self.num_workers = cfg.num_worker
         self.stored: dict[tuple, np.ndarray] = {}  # (key, part) -> flat value
         self.sending: dict[tuple, list] = {}  # (key, part) -> sends still reading it
@@ -85,6 +92,7 @@ class Server:
         self.name = "server"
         self._lost: set[bytes] = set()  # peers told once that they lose replies
         self._last_failure = ""
+        self._peer_lost = ""  # a node's failure that failed every round: replies say so
         self._ranks: dict[bytes, int] = {}  # routing identity -> rank, parsed once
         self._segments: dict[str, shm.Segment] = {}  # same-host workers' shared buffers
         self._shm_of: dict[tuple, shm.Segment] = {}  # (rank, key) -> its segment
@@ -113,7 +121,7 @@ class Server:
             book = self.control.wait("server start-up", ("book",), self.cfg.start_timeout + 5)
         except KVStoreError as exc:
             log.error("%s", exc)
-            return 1
+            return exit_code_of(exc)
         self.rank = book.body["rank"]
         self.name = f"server {self.rank} ({self.cfg.node_host}:{self.port})"
         if self.gate is not None:
@@ -161,9 +169,12 @@ class Server:
         for segment in self._segments.values():
             segment.close()
         self.control.close(finalize=False)
+        self.close_sockets(linger=1000)
+
+    def close_sockets(self, linger: int = 0) -> None:
         if self.gate is not None:
             self.gate.close()
-        self.sock.close(linger=1000)
+        self.sock.close(linger=linger)
         self.ctx.term()
 
     # ---- the scheduler's notices
@@ -210,8 +221,9 @@ class Server:
     def _on_node_failed(self, msg: Message) -> int:
         text = f"{msg.body['node']} failed: {msg.body['reason']}"
         log.error("%s: %s; stopping", self.name, text)
+        self._peer_lost = text
         self._execute(self.rounds.fail_all(text))
-        return 1
+        return EXIT_AUTH if msg.body.get("auth") else EXIT_PEER_LOST
 
     def _on_shutdown(self, msg: Message) -> int:
         log.info("%s: shutdown", self.name)
@@ -269,9 +281,10 @@ class Server:
                 if action.text != self._last_failure:  # once, not once per request
                     self._last_failure = action.text
                     log.error("%s: %s", self.name, action.text)
-                self._send(
-                    req.identity, error_reply(req.msg, self.name, f"{self.name}: {action.text}")
-                )
+                reply = error_reply(req.msg, self.name, f"{self.name}: {action.text}")
+                if self._peer_lost and action.text == self._peer_lost:
+                    reply.body["lost"] = True  # the worker raises PeerLostError (exit 129)
+                self._send(req.identity, reply)
 
     def _apply(self, action: Apply) -> None:
         """``stored = updater(value, stored)``; without an updater, assign a round's sum or
@@ -468,15 +481,18 @@ def main() -> int:
         cfg = Config.from_env()
     except ValueError as exc:
         print(f"kvstore.server: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     setup_logging(cfg.verbose, "server")
     warn_if_insecure(cfg, log)
     tune_allocator()
     try:
         server = Server(cfg)
-    except OSError as exc:
+    except OSError as exc:  # the port is taken: permanent
         print(f"kvstore.server: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except KVStoreError as exc:  # the scheduler's name never resolved: transient
+        print(f"kvstore.server: {exc}", file=sys.stderr)
+        return exit_code_of(exc)
     try:
         return server.run()
     finally:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import sys
+import threading
 import time
 import weakref
 
@@ -25,7 +27,7 @@ from . import auth, metrics, shm, transport
 from .arrays import copy_into, namespace, reduce_sum, to_host
 from .config import Config, setup_logging, warn_if_insecure
 from .control import Control, raise_for
-from .errors import KVStoreError
+from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
 from .optimizer import Optimizer
 from .protocol import Message, ProtocolError, decode
@@ -42,9 +44,33 @@ _ending: list[str] = []
 
 
 def _note_uncaught(kind, value, tb) -> None:
+    """sys.excepthook while a distributed store may be open: note the exception (so the store,
+    closed at exit, reports this worker as failed), print it as before, and for a KVStoreError
+    or a bad setting exit with its code (``kvstore.errors``: 129 for a lost peer tells the
+    platform to retry) instead of Python's 1."""
     if not issubclass(kind, KeyboardInterrupt):
         _ending.append(f"raised {kind.__name__}: {value}"[:400])
     _previous_hook(kind, value, tb)
+    code = exit_code_of(value) if isinstance(value, (KVStoreError, ConfigError)) else 1
+    if code != 1:
+        _exit_as_python_would(code)
+
+
+def _exit_as_python_would(code: int) -> None:
+    """End the process with ``code`` after what the interpreter does at exit: wait for
+    non-daemon threads, run the atexit handlers (the store's close among them), flush."""
+    wait_for_threads = getattr(threading, "_shutdown", None)
+    try:
+        if wait_for_threads is not None:
+            wait_for_threads()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or broken stream must not change the status
+                pass
+        os._exit(code)
 
 
 _previous_hook = sys.excepthook
@@ -58,6 +84,9 @@ def _close_at_exit(ref) -> None:
 
 def create_dist(kind: str) -> KVStore:
     """Build the store for this process's ``DMLC_ROLE``; servers and schedulers never return."""
+    if sys.excepthook is not _note_uncaught:  # first: a bad setting exits 2 too
+        global _previous_hook
+        _previous_hook, sys.excepthook = sys.excepthook, _note_uncaught
     cfg = Config.from_env()
     if cfg.role in ("server", "scheduler"):
         # MXNet compatibility: the same script is started for every role.
@@ -67,9 +96,6 @@ def create_dist(kind: str) -> KVStore:
     setup_logging(cfg.verbose, "worker")
     warn_if_insecure(cfg, log)
     tune_allocator()
-    if sys.excepthook is not _note_uncaught:
-        global _previous_hook
-        _previous_hook, sys.excepthook = sys.excepthook, _note_uncaught
     return DistStore(kind, cfg)
 
 
@@ -81,9 +107,14 @@ class DistStore(KVStore):
         self._on_device = kind == "dist_device_sync"
         self._ctx = zmq.Context()
         self._cred = auth.Credential.make(cfg)
-        self._control = Control(self._ctx, cfg, "worker", 0, self._cred.public)
+        try:
+            self._control = Control(self._ctx, cfg, "worker", 0, self._cred.public)
+        except KVStoreError:
+            self._ctx.term()
+            raise
         self._closed = False
         self._failure: str | None = None
+        self._failure_type: type[KVStoreError] = KVStoreError  # raised again on every call
         self._sockets: list = []
         try:
             book = self._control.wait(f"kvstore.create({kind!r})", ("book",), cfg.start_timeout + 5)
@@ -157,7 +188,7 @@ class DistStore(KVStore):
             if trackers is not None:
                 trackers.extend(s.tracker for s in sent)
         except zmq.Again:
-            raise KVStoreError(
+            raise PeerLostError(
                 f"{kind}: cannot send to {self._server_name(server)}: its queue "
                 "is full (is it alive?)"
             ) from None
@@ -172,7 +203,7 @@ class DistStore(KVStore):
         if self._closed:
             raise KVStoreError("the store is closed")
         if self._failure:
-            raise KVStoreError(self._failure)
+            raise self._failure_type(self._failure)
 
     @metrics.traced("wait")
     def _wait(self, what: str, ids=None, trackers=()) -> None:
@@ -191,7 +222,7 @@ class DistStore(KVStore):
             if left <= 0:
                 servers = sorted({self._pending[i][0] for i in waiting})
                 names = ", ".join(self._server_name(s) for s in servers) or "the network"
-                raise KVStoreError(
+                raise PeerLostError(
                     f"{what}: no reply from {names} within "
                     f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)"
                 )
@@ -217,7 +248,7 @@ class DistStore(KVStore):
         try:
             raise_for(msg, what)
         except KVStoreError as exc:
-            self._failure = str(exc)
+            self._failure, self._failure_type = str(exc), type(exc)
             raise
 
     def _on_reply(self, frames, what: str) -> None:
@@ -228,8 +259,9 @@ class DistStore(KVStore):
         entry = self._pending.pop(msg.id, None)
         if entry is None:
             return
-        if msg.kind == "error":
-            raise KVStoreError(f"{what}: {msg.body['message']}")
+        if msg.kind == "error":  # "lost": the server failed it because a node was lost
+            kind = PeerLostError if msg.body.get("lost") is True else KVStoreError
+            raise kind(f"{what}: {msg.body['message']}")
         handler = entry[1]
         if handler is not None:
             handler(msg)
@@ -394,7 +426,7 @@ class DistStore(KVStore):
         try:
             self._control.wait("barrier", ("barrier_done",), self.cfg.request_timeout)
         except KVStoreError as exc:
-            self._failure = str(exc)
+            self._failure, self._failure_type = str(exc), type(exc)
             raise
 
     @metrics.observed("join")
@@ -406,7 +438,7 @@ class DistStore(KVStore):
         try:
             done = self._control.wait("join", ("join_done",), self.cfg.request_timeout)
         except KVStoreError as exc:
-            self._failure = str(exc)
+            self._failure, self._failure_type = str(exc), type(exc)
             raise
         return done.body["last"]
 

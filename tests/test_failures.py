@@ -38,7 +38,7 @@ def test_server_dies_mid_training(cluster):
     for i in range(2):
         out = c.output(f"worker{i}")
         assert "KVStoreError" in out and f"{victim} failed" in out, out
-    assert c.wait([c.procs["scheduler"]], 10) == [1]
+    assert c.wait([c.procs["scheduler"]], 10) == [129]  # a peer lost: transient
 
 
 def test_worker_dies_mid_training(cluster):
@@ -50,7 +50,7 @@ def test_worker_dies_mid_training(cluster):
     assert codes == [3, 3], c.dump()
     for i in range(2):
         assert "worker 2 (127.0.0.1 pid" in c.output(f"worker{i}"), c.dump()
-    assert c.wait([c.procs["server0"]], 10) == [1]
+    assert c.wait([c.procs["server0"]], 10) == [129]
 
 
 def test_uneven_rounds_fail_at_once_naming_key_and_rank(cluster):
@@ -109,7 +109,7 @@ def test_counts_never_fill(cluster):
     c = cluster(1, 2, KVSTORE_START_TIMEOUT=2)
     out = _worker(c.env, CREATE).stdout
     assert "only 1 of 2 workers registered" in out, out
-    assert c.wait([c.procs["scheduler"]], 10) == [1]
+    assert c.wait([c.procs["scheduler"]], 10) == [129]  # the start-up deadline: transient
 
 
 def test_scheduler_port_in_use():

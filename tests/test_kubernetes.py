@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import Config, _node_host, bind_host
+from kvstore.errors import ConfigError
 from kvstore.launch import kubernetes as k8s
 
 from .cluster import free_port, poll_until
@@ -117,19 +119,27 @@ def _hosts_line(name: str) -> str:
     return f"127.0.0.1 {name}  # kvstore test_kubernetes\n"
 
 
-def _run_mxjob(tmp_path, name: str, delay: float) -> tuple[list[int], str]:
+def _run_mxjob(
+    tmp_path, name: str, delay: float, only_mx_config: bool = False
+) -> tuple[list[int], str]:
     """Start every role of the rendered manifests as local processes (the same script for
     all), with MXJob's environment (no DMLC_NODE_HOST); ``name`` (the scheduler's DNS name)
-    appears in /etc/hosts after ``delay`` seconds, as a headless service's record does."""
+    appears in /etc/hosts after ``delay`` seconds, as a headless service's record does.
+    ``only_mx_config``: every DMLC_* variable removed, MX_CONFIG alone says it all."""
     objects = render("--job-name", name)
     secret = "k8s-simulation-" + uuid.uuid4().hex
     port = free_port()
     procs, logs = [], []
     for job in (o for o in objects if o["kind"] == "Job"):
         env = {k: v for k, v in env_of(job).items() if isinstance(v, str)}
+        if only_mx_config:
+            config = json.loads(env["MX_CONFIG"])
+            config["cluster"]["scheduler"] = [f"{name}-scheduler-0:{port}"]
+            env = {k: v for k, v in env.items() if not k.startswith("DMLC_")}
+            env["MX_CONFIG"] = json.dumps(config)
         env.update(
             {
-                "DMLC_PS_ROOT_PORT": str(port),
+                **({} if only_mx_config else {"DMLC_PS_ROOT_PORT": str(port)}),
                 "KVSTORE_SECRET": secret,
                 "KVSTORE_SERVER_PORT": "0",  # every "pod" shares this host's ports
                 "KVSTORE_START_TIMEOUT": "40",
@@ -188,12 +198,102 @@ def test_mxjob_environment_runs_locally(tmp_path):
 
 @needs_hosts
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="needs the scheduler's name resolved with retries until the start-up deadline "
-    "(config.py/scheduler.py/control.py: see issue 17's report)",
-    strict=False,
-)
 def test_mxjob_scheduler_name_resolves_late(tmp_path):
     name = "kvsim" + uuid.uuid4().hex[:8]
     codes, logs = _run_mxjob(tmp_path, name, delay=4.0)
     assert codes == [0] * 5, logs
+
+
+@needs_hosts
+@pytest.mark.slow
+def test_mxjob_with_only_mx_config(tmp_path):
+    name = "kvsim" + uuid.uuid4().hex[:8]
+    codes, logs = _run_mxjob(tmp_path, name, delay=1.0, only_mx_config=True)
+    assert codes == [0] * 5, logs
+    assert logs.count(" OK") == 2, logs
+
+
+MX_CONFIG = {
+    "cluster": {
+        "scheduler": ["job-scheduler-0:9091"],
+        "server": ["job-server-0:9091", "job-server-1:9091"],
+        "worker": ["job-worker-0:9091", "job-worker-1:9091", "job-worker-2:9091"],
+    },
+    "task": {"type": "worker", "index": 2},
+}
+
+
+def mx_env(config=None, **extra) -> dict:
+    env = {"KVSTORE_SECRET": "s" * 32, "MX_CONFIG": json.dumps(config or MX_CONFIG)}
+    return {**env, **extra}
+
+
+def test_mx_config_fills_every_missing_dmlc_variable():
+    cfg = Config.from_env(mx_env())
+    assert (cfg.role, cfg.root_uri, cfg.root_port) == ("worker", "job-scheduler-0", 9091)
+    assert (cfg.num_server, cfg.num_worker, cfg.rank_hint) == (2, 3, 2)
+    server = dict(MX_CONFIG, task={"type": "server", "index": 1})
+    assert Config.from_env(mx_env(server)).role == "server"
+    assert Config.from_env(mx_env(server)).rank_hint == 1
+
+
+def test_dmlc_variables_win_over_mx_config():
+    cfg = Config.from_env(
+        mx_env(DMLC_PS_ROOT_URI="10.0.0.5", DMLC_PS_ROOT_PORT="7000", DMLC_NUM_WORKER="4")
+    )
+    assert (cfg.root_uri, cfg.root_port, cfg.num_worker, cfg.num_server) == ("10.0.0.5", 7000, 4, 2)
+
+
+def test_rank_hint_order():
+    assert Config.from_env(mx_env(DMLC_WORKER_ID="1")).rank_hint == 1
+    assert Config.from_env(mx_env(DMLC_WORKER_ID="1", KVSTORE_RANK="0")).rank_hint == 0
+    server = dict(MX_CONFIG, task={"type": "server", "index": 0})
+    assert Config.from_env(mx_env(server, DMLC_WORKER_ID="1")).rank_hint == 0  # workers' only
+    plain = {
+        "KVSTORE_SECRET": "s" * 32,
+        "DMLC_ROLE": "worker",
+        "DMLC_PS_ROOT_URI": "127.0.0.1",
+        "DMLC_PS_ROOT_PORT": "9000",
+        "DMLC_NUM_SERVER": "1",
+        "DMLC_NUM_WORKER": "2",
+    }
+    assert Config.from_env(plain).rank_hint == -1
+    assert Config.from_env(dict(plain, DMLC_WORKER_ID="1")).rank_hint == 1
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ("{not json", "MX_CONFIG is not valid JSON"),
+        ('{"cluster": {}, "task": {"type": "chief"}}', "expected Kubeflow MXJob's JSON"),
+        (json.dumps(dict(MX_CONFIG, cluster={"scheduler": ["nohostport"]})), "'host:port'"),
+        (json.dumps(dict(MX_CONFIG, task={"type": "worker", "index": "x"})), "task.index"),
+    ],
+)
+def test_bad_mx_config_is_a_configuration_error(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_env({"KVSTORE_SECRET": "s" * 32, "MX_CONFIG": raw})
+
+
+def test_node_host_when_the_scheduler_does_not_resolve_yet():
+    host = _node_host({}, "kvstore-nowhere.invalid")
+    assert host != "127.0.0.1" or not _has_route(), host
+    assert _node_host({"DMLC_NODE_HOST": "10.1.2.3"}, "x.invalid") == "10.1.2.3"
+    assert _node_host({}, "127.0.0.1") == "127.0.0.1"  # a local job stays on loopback
+
+
+def _has_route() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+        return True
+    except OSError:
+        return False
+
+
+def test_listen_on_every_interface_for_a_name():
+    assert bind_host("job-scheduler-0") == "*"  # may not resolve yet
+    assert bind_host("203.0.113.9") == "*"  # not this machine's (a NAT's)
+    assert bind_host("127.0.0.1") == "127.0.0.1" and bind_host("localhost") == "127.0.0.1"

@@ -60,7 +60,8 @@ def test_a_crash_is_named_once_with_its_exception_and_ends_the_job_at_once():
     assert out.count("[worker 1] RuntimeError: boom at step 100") == 1, out
     # the survivors say who failed and why, not push counts; no second traceback at exit
     for rank in (0, 2):  # told by the scheduler, or by a server that heard it first
-        said = rf"\[worker {rank}\] kvstore.errors.KVStoreError: pushpull: (server 0 \(.*\): )?"
+        # a KVStoreError that says a peer was lost (exit 129: kvstore/errors.py)
+        said = rf"\[worker {rank}\] kvstore.errors.PeerLostError: pushpull: (server 0 \(.*\): )?"
         assert re.search(said + r"worker 1 \(127.0.0.1 pid \d+\) failed: it raised", out), out
     assert "failed: it raised RuntimeError: boom at step 100" in out
     for noise in ("same number of times", "close: close:", "Exception ignored", "heartbeat"):

@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..errors import EXIT_PEER_LOST
+
 
 @dataclass
 class Proc:
@@ -109,9 +111,11 @@ class Supervisor:
                     continue
                 ended.append(proc)
                 if proc.popen.returncode:  # the first to fail is the cause, or one of them
-                    self._report_failures(proc)
+                    cause = self._report_failures(proc)
                     self.stop()
-                    return _status(proc.popen.returncode)
+                    # the cause's status (a worker's own error: 1), not that of a process that
+                    # merely lost it (129) and happened to exit first
+                    return _status(cause.popen.returncode)
                 if grace_end is None and workers and all(w in ended for w in workers):
                     grace_end = time.monotonic() + self.after_workers_grace
             self._drain()
@@ -136,9 +140,11 @@ class Supervisor:
             self.say(f"every worker exited 0; stopping {names}, still running")
         self.stop()
 
-    def _report_failures(self, first: Proc, window: float = 2.0) -> None:
+    def _report_failures(self, first: Proc, window: float = 2.0) -> Proc:
         """Name ``first`` and every process that fails on its own within ``window`` seconds:
-        when one failure causes another, the cause may be the slower one to exit."""
+        when one failure causes another, the cause may be the slower one to exit. Returns
+        the cause: the first of those the others name, else of all, that did not exit 129
+        (a process that lost a peer, kvstore.errors.EXIT_PEER_LOST), else ``first``."""
         failed = [first]
         deadline = time.monotonic() + window
         while time.monotonic() < deadline:
@@ -155,6 +161,7 @@ class Supervisor:
         for proc in failed:
             self.say(f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{_tail(proc)}")
         self.say("stopping the other processes")
+        return next((p for p in failed if p.popen.returncode != EXIT_PEER_LOST), failed[0])
 
     def stop(self, grace: float = 5.0) -> None:
         """Close each process's stdin (remote ones stop on that), SIGTERM its group, then kill."""

@@ -17,4 +17,6 @@ out = np.empty(4, np.float32)
 kv.pull("w", out=out)
 n = kv.num_workers
 assert np.all(out == n * (n + 1) / 2), out
-print(f"worker {kv.rank} of {n} (DMLC_WORKER_ID {os.environ['DMLC_WORKER_ID']}) OK", flush=True)
+assert kv.rank == config["task"]["index"], (kv.rank, config)  # the rank hint was followed
+worker_id = os.environ.get("DMLC_WORKER_ID", "unset: MX_CONFIG only")
+print(f"worker {kv.rank} of {n} (DMLC_WORKER_ID {worker_id}) OK", flush=True)
