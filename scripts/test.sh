@@ -4,6 +4,8 @@
 #   - a virtual environment .venv with the package and its test extras
 #   - torch's CPU build for the PyTorch adapter tests, when pip has it
 #   - Debian's chromium for the status page's browser test (as root)
+#   - Debian's slurm-wlm and munge for the real Slurm test (as root; tests/test_slurm.py starts
+#     its own slurmctld, slurmd and munged on private ports, so none need to be running)
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k dist`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,16 @@ if ! command -v chromium >/dev/null 2>&1; then
       || echo "note: chromium could not be installed; the status page's browser test will skip" >&2
   else
     echo "note: chromium not installed (needs root); the status page's browser test will skip" >&2
+  fi
+fi
+
+# A real Slurm for tests/test_slurm.py (it skips, saying so, without one).
+if ! command -v slurmctld >/dev/null 2>&1 && ! [ -x /usr/sbin/slurmctld ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null \
+      || echo "note: slurm-wlm could not be installed; the real Slurm test will skip" >&2
+  else
+    echo "note: slurm-wlm not installed (needs root); the real Slurm test will skip" >&2
   fi
 fi
 
