@@ -273,6 +273,8 @@ class Rounds:
     def _complete(self, state: _Key) -> bool:
         if state.count == 0:
             return False
+        if not self.joined_ranks:  # each rank adds one push to a round: count them
+            return state.count == self.num_workers
         return all(
             n > state.done or rank in self.joined_ranks for rank, n in enumerate(state.pushed)
         )
