@@ -212,7 +212,8 @@ class Gate:
         self.refused += 1
         host = address.rsplit(b":", 1)[0]
         if host not in self._told and len(self._told) < 1000:
-            self._told.add(host)
+            if host != b"?":  # the peer was gone before its address was read: say it again
+                self._told.add(host)
             log.warning(
                 "%s: refused a connection from %s: %s",
                 self.name,

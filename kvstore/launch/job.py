@@ -70,8 +70,11 @@ class Supervisor:
                 f"cannot start {proc.name} ({proc.argv[0]}): {exc.strerror}"
             ) from None
         if proc.stdin:
-            proc.popen.stdin.write(proc.stdin)
-            proc.popen.stdin.flush()
+            try:
+                proc.popen.stdin.write(proc.stdin)
+                proc.popen.stdin.flush()
+            except OSError:  # it exited at once (ssh could not connect): its exit says why
+                pass
         self.procs.append(proc)
         self.say(f"started {proc.name} on {proc.where} (pid {proc.popen.pid})")
         reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
