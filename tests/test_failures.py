@@ -106,9 +106,10 @@ def test_no_scheduler_listening():
 
 
 def test_counts_never_fill(cluster):
-    c = cluster(1, 2, KVSTORE_START_TIMEOUT=2)
+    c = cluster(1, 2, KVSTORE_START_TIMEOUT=4)
     out = _worker(c.env, CREATE).stdout
-    assert "only 1 of 2 workers registered" in out, out
+    # the server too, unless a loaded machine started it late: the workers are the point
+    assert re.search(r"only (0 of 1 servers and )?1 of 2 workers registered", out), out
     assert c.wait([c.procs["scheduler"]], 10) == [129]  # the start-up deadline: transient
 
 
