@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -218,9 +219,9 @@ def _tail(proc: Proc) -> str:
 
 
 def _named_by_others(proc: Proc, failed: list) -> bool:
+    """Whether another process says ``<proc's name> (<where>) failed``: the cause, not one
+    that merely passed the news on (``server 0 (...): worker 1 (...) failed: ...``)."""
+    said = re.compile(rf"\b{re.escape(proc.name)} \([^)]*\) failed")
     return any(
-        f"{proc.name} (" in line and "failed" in line
-        for other in failed
-        if other is not proc
-        for line in other.last_lines
+        said.search(line) for other in failed if other is not proc for line in other.last_lines
     )
