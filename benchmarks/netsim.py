@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pushpull import collect, mean_over_workers, worker_command  # noqa: E402
 from zmq_bound import human  # noqa: E402
 
 HOSTS = ("kvsimA", "kvsimB")
@@ -103,23 +104,7 @@ def run_kvstore(args, compression: str | None) -> list[dict]:
         # the namespaces share this machine's memory: shared memory would bypass the link
         KVSTORE_SHM="0",
     )
-    worker_cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "pushpull.py"),
-        "--as-worker",
-        "--mode",
-        "dist_sync",
-        "--sizes",
-        args.sizes,
-        "--reps",
-        str(args.reps),
-        "--budget",
-        str(args.budget),
-        "--keys",
-        "0",
-    ]
-    if compression:
-        worker_cmd += ["--compression", compression]
+    worker_cmd = worker_command("dist_sync", args.sizes, args.reps, args.budget, 0, compression)
     procs = []
     try:
         procs.append(
@@ -147,19 +132,12 @@ def run_kvstore(args, compression: str | None) -> list[dict]:
             for i, ns in enumerate(HOSTS)
         ]
         procs += workers
-        per_worker = []
-        for w in workers:
-            out, _ = w.communicate(timeout=args.timeout)
-            if w.returncode:
-                raise SystemExit(f"a benchmark worker failed ({w.returncode}):\n{out}")
-            per_worker.append(json.loads(out.split("RESULTS ", 1)[1]))
+        per_worker = collect(workers, args.timeout)
     finally:
         for p in procs:  # by PID
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    from pushpull import mean_over_workers
-
     return mean_over_workers(per_worker)
 
 
@@ -198,18 +176,13 @@ def run_gloo(args) -> list[dict]:
         )
         for i, ns in enumerate(HOSTS)
     ]
-    per_rank = []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=args.timeout)
-            per_rank.append(json.loads(out.split("RESULTS ", 1)[1]))
+        per_rank = collect(procs, args.timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    from pushpull import mean_over_workers
-
     return mean_over_workers(per_rank)
 
 

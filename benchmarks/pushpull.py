@@ -112,23 +112,7 @@ def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
             )
             for _ in range(args.servers)
         ]
-        cmd = [
-            sys.executable,
-            __file__,
-            "--as-worker",
-            "--mode",
-            mode,
-            "--sizes",
-            args.sizes,
-            "--reps",
-            str(args.reps),
-            "--budget",
-            str(args.budget),
-            "--keys",
-            str(args.keys),
-        ]
-        if compression:
-            cmd += ["--compression", compression]
+        cmd = worker_command(mode, args.sizes, args.reps, args.budget, args.keys, compression)
         workers = [
             subprocess.Popen(
                 cmd,
@@ -139,12 +123,7 @@ def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
             for i in range(args.workers)
         ]
         procs += workers
-        per_worker = []
-        for w in workers:
-            out, _ = w.communicate(timeout=args.timeout)
-            if w.returncode:
-                raise SystemExit(f"a benchmark worker failed ({w.returncode}):\n{out}")
-            per_worker.append(json.loads(out.split("RESULTS ", 1)[1]))
+        per_worker = collect(workers, args.timeout)
         for p in procs[: 1 + args.servers]:
             p.wait(30)
     finally:
@@ -153,6 +132,24 @@ def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
                 p.kill()
                 p.wait(10)
     return mean_over_workers(per_worker)
+
+
+def worker_command(mode, sizes, reps, budget, keys, compression=None) -> list[str]:
+    """This script as one benchmark worker of a cluster (``--as-worker``)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--as-worker", "--mode", mode]
+    cmd += ["--sizes", sizes, "--reps", str(reps), "--budget", str(budget), "--keys", str(keys)]
+    return cmd + (["--compression", compression] if compression else [])
+
+
+def collect(workers: list, timeout: float) -> list[list[dict]]:
+    """Each benchmark worker's results (its ``RESULTS`` line), or exit naming the failure."""
+    per_worker = []
+    for w in workers:
+        out, _ = w.communicate(timeout=timeout)
+        if w.returncode:
+            raise SystemExit(f"a benchmark worker failed ({w.returncode}):\n{out}")
+        per_worker.append(json.loads(out.split("RESULTS ", 1)[1]))
+    return per_worker
 
 
 def mean_over_workers(per_worker: list[list[dict]]) -> list[dict]:
