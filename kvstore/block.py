@@ -32,10 +32,9 @@ import math
 import os
 
 import msgpack
-import numpy as np
 
-from .arrays import copy_into, namespace, to_host
-from .optimizer import BlockMomentum, Optimizer, Updater
+from .arrays import copy_into, namespace
+from .optimizer import BlockMomentum, Optimizer, Updater, pack_array, unpack_array
 
 
 def block_momentum(
@@ -157,8 +156,8 @@ class BlockTrainer:
         return msgpack.packb(
             {
                 "keys": self.keys,
-                "start": [_pack(self.start[k]) for k in self.keys],
-                "params": [_pack(self.params[k]) for k in self.keys],
+                "start": [pack_array(self.start[k]) for k in self.keys],
+                "params": [pack_array(self.params[k]) for k in self.keys],
                 "local": self.local.dumps(),
                 "samples_in_block": self.samples_in_block,
                 "blocks": self.blocks,
@@ -171,8 +170,8 @@ class BlockTrainer:
         try:
             data = msgpack.unpackb(blob, strict_map_key=False)
             keys = data["keys"]
-            start = [_unpack(a) for a in data["start"]]
-            params = [_unpack(a) for a in data["params"]]
+            start = [unpack_array(a) for a in data["start"]]
+            params = [unpack_array(a) for a in data["params"]]
         except Exception as exc:
             raise ValueError(f"not a block state written by kvstore: {exc}") from None
         if keys != self.keys or data["samples_per_worker"] != self.samples_per_worker:
@@ -197,13 +196,3 @@ class BlockTrainer:
     def load(self, path: str) -> None:
         with open(path, "rb") as f:
             self.load_state_bytes(f.read())
-
-
-def _pack(array) -> list:
-    host = np.ascontiguousarray(to_host(array))
-    return [host.dtype.str, list(host.shape), host.tobytes()]
-
-
-def _unpack(item) -> np.ndarray:
-    dtype, shape, raw = item
-    return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()

@@ -248,11 +248,7 @@ class Adam(Optimizer):
     def update(self, weight, grad, state, lr, t):
         xp, f = namespace(weight), weight.dtype.type
         g = self.prepare_grad(grad, weight, with_wd=True, clip_after_wd=True)
-        mean, var = state
-        mean *= f(self.beta1)
-        mean += f(1 - self.beta1) * g
-        var *= f(self.beta2)
-        var += f(1 - self.beta2) * g * g
+        mean, var = _moments(state, g, self.beta1, self.beta2, f)
         lr_t = lr * math.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
         weight -= f(lr_t) * mean / (xp.sqrt(var) + f(self.epsilon))
 
@@ -489,11 +485,7 @@ class AdamW(Optimizer):
     def update(self, weight, grad, state, lr, t):
         xp, f = namespace(weight), weight.dtype.type
         g = self.prepare_grad(grad, weight, with_wd=False)
-        mean, var = state
-        mean *= f(self.beta1)
-        mean += f(1 - self.beta1) * g
-        var *= f(self.beta2)
-        var += f(1 - self.beta2) * g * g
+        mean, var = _moments(state, g, self.beta1, self.beta2, f)
         if self.correct_bias:
             lr = lr * math.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
         step = mean / (xp.sqrt(var) + f(self.epsilon))
@@ -540,11 +532,7 @@ class LAMB(Optimizer):
     def update(self, weight, grad, state, lr, t):
         xp, f = namespace(weight), weight.dtype.type
         g = self.prepare_grad(grad, weight, with_wd=False)
-        mean, var = state
-        mean *= f(self.beta1)
-        mean += f(1 - self.beta1) * g
-        var *= f(self.beta2)
-        var += f(1 - self.beta2) * g * g
+        mean, var = _moments(state, g, self.beta1, self.beta2, f)
         if self.bias_correction:
             m = mean / (f(1) - f(self.beta1) ** t)
             v = var / (f(1) - f(self.beta2) ** t)
@@ -629,7 +617,7 @@ class Updater:
     def dumps(self) -> bytes:
         """The state as bytes (msgpack; arrays as raw little-endian buffers)."""
         entries = [
-            [_wire_key(k), self.counts.get(k, 0), [_pack(a) for a in state]]
+            [_wire_key(k), self.counts.get(k, 0), [pack_array(a) for a in state]]
             for k, state in self.states.items()
         ]
         return msgpack.packb(
@@ -654,7 +642,8 @@ def _unpack_states(blob: bytes) -> dict:
     try:
         data = msgpack.unpackb(blob, strict_map_key=False)
         data["entries"] = [
-            (_from_wire_key(k), c, [_unpack(a) for a in arrs]) for k, c, arrs in data["entries"]
+            (_from_wire_key(k), c, [unpack_array(a) for a in arrs])
+            for k, c, arrs in data["entries"]
         ]
         return data
     except Exception as exc:
@@ -669,11 +658,23 @@ def _from_wire_key(key):
     return tuple(key) if isinstance(key, list) else key
 
 
-def _pack(array) -> list:
+def _moments(state, g, beta1: float, beta2: float, f):
+    """Adam's running moments, in place: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g²``."""
+    mean, var = state
+    mean *= f(beta1)
+    mean += f(1 - beta1) * g
+    var *= f(beta2)
+    var += f(1 - beta2) * g * g
+    return mean, var
+
+
+def pack_array(array) -> list:
+    """An array as msgpack-able ``[dtype, shape, bytes]`` (host memory; never pickle)."""
     host = np.ascontiguousarray(to_host(array))
     return [host.dtype.str, list(host.shape), host.tobytes()]
 
 
-def _unpack(item) -> np.ndarray:
+def unpack_array(item) -> np.ndarray:
+    """The writable array :func:`pack_array` packed."""
     dtype, shape, raw = item
     return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
