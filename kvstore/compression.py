@@ -68,26 +68,29 @@ class Compression:
         Returns ``(packed uint8 array, header list)``; the header is what :meth:`decode` needs
         besides the element count and dtype.
         """
+        packed, header, residuals[rkey] = self.quantize(residuals.get(rkey), grad)
+        return packed, header
+
+    def quantize(self, residual, grad):
+        """``(packed, header, new residual)`` for ``grad`` added to ``residual`` (None: zeros),
+        leaving ``residual`` untouched: the caller keeps the new one once the codes are sent."""
         xp = namespace(grad)
         flat = grad.reshape(-1)
-        residual = residuals.get(rkey)
-        if residual is None:
-            residual = residuals[rkey] = xp.zeros(flat.shape, grad.dtype)
-        residual += flat
+        residual = flat.astype(grad.dtype, copy=True) if residual is None else residual + flat
         if self.kind == "2bit":
             t = residual.dtype.type(self.threshold)
             pos, neg = residual >= t, residual <= -t
             residual -= t * pos
             residual += t * neg
             codes = pos.astype(xp.uint8) | (neg.astype(xp.uint8) << 1)
-            return _pack2(xp, codes), [self.threshold]
+            return _pack2(xp, codes), [self.threshold], residual
         signs = residual >= 0
         npos = int(signs.sum())
         nneg = flat.size - npos
         hi = float(residual[signs].sum()) / npos if npos else 0.0
         lo = float(residual[~signs].sum()) / nneg if nneg else 0.0
         residual -= xp.where(signs, residual.dtype.type(hi), residual.dtype.type(lo))
-        return xp.packbits(signs), [hi, lo]
+        return xp.packbits(signs), [hi, lo], residual
 
     def decode(self, packed, header, size: int, dtype):
         """The dequantised flat array of ``size`` elements."""

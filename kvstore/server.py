@@ -246,8 +246,14 @@ class Server:
         except zmq.ZMQError as exc:
             log.warning("%s: reply to %r lost: %s", self.name, identity, exc.strerror)
             return
-        for s in sent:
-            self.sending.setdefault(keys[s.array], []).append(s)
+        for s in sent:  # a reply of stored arrays: updates must not write into them
+            if keys is not None:
+                busy = self.sending.get(keys[s.array])
+                if busy is None:
+                    self.sending[keys[s.array]] = [s]
+                else:  # a key only pulled is never applied: prune its finished sends here
+                    busy[:] = [b for b in busy if not b.done]
+                    busy.append(s)
 
     def _error(self, identity: bytes, request: Message, text: str) -> None:
         log.warning("%s: %s", self.name, text)
@@ -417,6 +423,11 @@ class Server:
                 raise ValueError(f"shm: bad entry {entry!r:.80}")
             index, name, seq = entry
             key, stored = keys[index], self.stored[keys[index]]
+            if msg.arrays[index].dtype != stored.dtype:  # TCP refuses it too: never reinterpret
+                raise ValueError(
+                    f"key {_show(key)}: got {msg.arrays[index].dtype} through shared memory, "
+                    f"expected {stored.dtype}"
+                )
             segment = self._segments.get(name)
             if segment is None:
                 segment = shm.open_for(name, rank, stored.nbytes)
@@ -429,8 +440,16 @@ class Server:
         return found
 
     def _on_hello(self, identity, rank, msg) -> None:
-        """A worker asks whether it shares this host's memory (same boot id)."""
-        same = self.cfg.shm and shm.available() and msg.body["host"] == shm.host_id()
+        """A worker asks whether it shares this process's memory: yes only when this server
+        reads the nonce in the worker's probe segment (same boot id is not enough: pods on
+        one node share it, not their /dev/shm)."""
+        body = msg.body
+        same = (
+            self.cfg.shm
+            and shm.available()
+            and body["host"] == shm.host_id()
+            and shm.prove(body.get("probe"), rank, body.get("nonce"))
+        )
         self._send(identity, Message("ack", msg.id, self.name, {"shm": bool(same)}))
 
     @metrics.served

@@ -1,20 +1,30 @@
 """Same-host fast path: big key parts pass between a worker and a server through shared
 memory; ZeroMQ carries only the small control message.
 
-A worker makes one segment per big key part it pushes to a server on its own host (the
-server says so in its answer to the worker's ``hello``: same boot id). The segment holds a
+"Same host" is proved, not guessed: at start-up a worker makes a small probe segment holding a
+random nonce and names it in its ``hello``; a server answers ``shm: true`` only if it opened
+that very file and read that nonce (:func:`prove`). Containers and pods on one node share the
+kernel's boot id but not ``/dev/shm``; they fail the probe and use TCP.
+
+A worker makes one segment per big key part it pushes to such a server. The segment holds a
 header of two counters, then the push region (the worker writes its gradient there), then
 the pull region (the server writes the value it answers with there)::
 
     [written: u64][consumed: u64][pad to 64 B][push: nbytes][pull: nbytes]
 
-- push: the worker waits until ``consumed == written`` (the server copied the previous push
-  out), copies the gradient in, bumps ``written`` and sends the push with an empty array and
-  ``{"shm": {index: [name, written]}}``; the server checks the counter, copies the push out
-  and sets ``consumed``.
+- push: the worker copies the gradient in, bumps ``written`` and sends the push with an empty
+  array (of the key's dtype) and ``{"shm": [[index, name, written]]}``; the server checks the
+  counter and the dtype, copies the push out and sets ``consumed``. The worker writes the push
+  region again only once the server has answered that push (a ZeroMQ message, so the server's
+  reads happen before the worker's next write on any CPU, weakly ordered ones included); a
+  push of a part whose previous push is still unanswered goes through TCP instead.
 - pull: the server copies the stored value into the pull region before it answers with an
-  empty array and ``{"shm": [index, ...]}``; the worker has one request per key in flight, so
-  the region is never written while it reads.
+  empty array and ``{"shm": [index, ...]}``; the worker reads it on receipt, and has one
+  pulling request per key in flight, so the region is never written while it reads.
+
+Segments are allocated in full when made (``posix_fallocate``): a ``/dev/shm`` too small for
+one (Docker's default is 64 MB) is an ``OSError`` then, and that part goes through TCP,
+instead of a SIGBUS at the first write into a sparse file.
 
 The file in ``/dev/shm`` is created with mode 0600 and removed by the worker as soon as the
 server has mapped it (its first answer), so nothing is left behind even if a process dies;
@@ -36,7 +46,8 @@ _NAME = re.compile(r"kvs-[0-9a-f]{16}-w(\d+)-\d+")
 
 
 def host_id() -> str:
-    """Equal for two processes exactly when they share this machine's memory (this boot)."""
+    """This boot's id: two processes with different ids certainly share no memory (equal ids
+    prove nothing: containers on one node share it), so a server tries the probe only then."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -45,7 +56,7 @@ def host_id() -> str:
 
 
 def available() -> bool:
-    return bool(host_id()) and os.path.isdir(SHM_DIR)
+    return os.path.isdir(SHM_DIR)
 
 
 class Segment:
@@ -58,7 +69,11 @@ class Segment:
         try:
             size = HEADER + 2 * nbytes
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # all pages now, or ENOSPC now
+                except OSError:
+                    os.unlink(path)
+                    raise
             elif os.fstat(fd).st_size != size:
                 raise ValueError(f"shared segment {name}: wrong size, expected {size} bytes")
             self._map = mmap.mmap(fd, size)
@@ -108,6 +123,32 @@ class WorkerSegments:
         for segment in self.segments.values():
             segment.close()
         self.segments.clear()
+
+
+PROBE_BYTES = 64
+
+
+def make_probe(segments: WorkerSegments) -> tuple[Segment, str]:
+    """A small segment holding a random nonce, for :func:`prove`; ``(segment, nonce hex)``."""
+    nonce = secrets.token_bytes(16)
+    segment = segments.get(("probe", 0), PROBE_BYTES)
+    segment.push[: len(nonce)] = np.frombuffer(nonce, np.uint8)
+    return segment, nonce.hex()
+
+
+def prove(name: str, rank: int, nonce: str) -> bool:
+    """Whether this process sees worker ``rank``'s probe segment ``name`` holding ``nonce``:
+    then it shares that worker's memory. Any failure is a plain no."""
+    try:
+        segment = open_for(name, rank, PROBE_BYTES)
+    except (OSError, ValueError):
+        return False
+    try:
+        seen = bytes(segment.push[:16]).hex()
+    finally:
+        segment.linked = False  # the worker removes its own probe
+        segment.close()
+    return isinstance(nonce, str) and seen == nonce
 
 
 def open_for(name: str, rank: int, nbytes: int) -> Segment:

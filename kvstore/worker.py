@@ -1,11 +1,20 @@
 """The distributed store a worker uses: ``dist_sync``, ``dist_device_sync``, ``dist_async``.
 
-The path of one ``kv.push``: :meth:`KVStore.push` checks the arguments against the initialised
-keys; :meth:`DistStore._push` sums the value's device arrays (on the device for
-``dist_device_sync``), cuts the flat result into one slice per part (a big array has one part
-on every server, a small key one part on one server: :mod:`kvstore.sharding`), and sends one
-message per server holding all of that server's slices, without copying them. The servers'
-replies are collected later: a pull of the same key waits for its round on the server.
+:class:`DistStore` is a driver: it owns the sockets (one DEALER per server, the pipe to the
+control thread), the shared segments and one wait loop; what to send and what a reply means
+are decided without I/O in :mod:`kvstore.plan`.
+
+The path of one ``kv.push``: :meth:`KVStore.push` (``store.py``) checks the arguments against
+the initialised keys; :meth:`DistStore._push` sums each key's device arrays (on the device for
+``dist_device_sync``) and asks :meth:`Planner.push <kvstore.plan.Planner.push>` for one message
+per server; :meth:`DistStore._commit` writes the shared segments, sends every message without
+copying, and only then keeps the compression residuals. On the server (``server.py``) the push
+becomes an event of its round machine.
+
+A call that fails half-way (a server refused a push, a send failed) leaves this worker's
+rounds different from server to server, so the store is marked failed and every later call
+raises that cause; a failed or interrupted pull cancels its :class:`~kvstore.plan.Collector`,
+so a late reply never writes into the caller's arrays.
 """
 
 from __future__ import annotations
@@ -18,25 +27,28 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 import zmq
 
 from . import auth, metrics, shm, transport
-from .arrays import copy_into, namespace, reduce_sum, to_host
+from .arrays import namespace, reduce_sum, to_host
 from .config import Config, setup_logging, warn_if_insecure
 from .control import Control, raise_for
 from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
 from .optimizer import Optimizer
+from .plan import Collector, Outgoing, Planner, ReplyError
 from .protocol import Message, ProtocolError, decode
-from .sharding import place
 from .store import KVStore
 
 log = logging.getLogger("kvstore.worker")
 
-SHM_FROM = 65536  # bytes: a part at least this big goes through shared memory on one host
+# Requests whose refusal by one server leaves the servers disagreeing (rounds, optimizer):
+# the store fails with it.
+_MUTATING = frozenset({"init", "push", "pushpull", "optimizer", "set_states"})
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -99,6 +111,17 @@ def create_dist(kind: str) -> KVStore:
     return DistStore(kind, cfg)
 
 
+@dataclass
+class _Request:
+    """A request in flight."""
+
+    server: int
+    kind: str
+    collector: Collector | None = None
+    on_reply: object = None  # a callable taking the reply Message
+    segments: tuple = ()  # shared segments it names: mapped by the server once answered
+
+
 class DistStore(KVStore):
     def __init__(self, kind: str, cfg: Config):
         super().__init__(kind)
@@ -137,12 +160,20 @@ class DistStore(KVStore):
             self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._control.pipe, zmq.POLLIN)
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple] = {}  # request id -> (server index, reply handler)
-        self._layout: dict = {}  # key -> [(server, part, lo, hi)]
+        self._requests: dict[int, _Request] = {}
+        self._answers: dict[str, Message] = {}  # control answers (barrier_done, ...) by kind
+        self._control_handlers = {
+            "stall": self._on_stall,
+            "barrier_done": self._on_answer,
+            "join_done": self._on_answer,
+        }
+        self._planner = Planner(len(self._servers), cfg.bigarray_bound)
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
         self._segments = shm.WorkerSegments(self._rank)
-        self._shm_servers = self._hello() if cfg.shm and shm.available() else set()
+        self._shm_last: dict = {}  # (key, part) -> the last push that used its segment
+        self._no_segment: set = set()  # parts whose segment /dev/shm had no room for
+        self._planner.set_shm_servers(self._hello() if cfg.shm and shm.available() else ())
         log.info(
             "worker %d of %d connected to %d servers",
             self._rank,
@@ -154,18 +185,27 @@ class DistStore(KVStore):
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _hello(self) -> set:
-        """The servers on this host, which take big parts through shared memory."""
+        """The servers that share this process's memory: each proves it by reading a probe
+        segment this worker made (:func:`kvstore.shm.prove`)."""
         local: set = set()
 
         def answer(server):
             return lambda msg: msg.body.get("shm") is True and local.add(server)
 
-        host = shm.host_id()
+        try:
+            probe, nonce = shm.make_probe(self._segments)
+            body = {"host": shm.host_id(), "probe": probe.name, "nonce": nonce}
+        except OSError as exc:  # no room, or no /dev/shm to write: TCP
+            log.info("no shared memory (%s); every part goes through TCP", exc)
+            probe, body = None, {"host": ""}
         ids = [
-            self._send(s, "hello", {"host": host}, on_reply=answer(s))
-            for s in range(len(self._servers))
+            self._send(s, "hello", body, on_reply=answer(s)) for s in range(len(self._servers))
         ]
-        self._wait("kvstore.create (hello)", ids)
+        try:
+            self._wait("kvstore.create (hello)", ids)
+        finally:
+            if probe is not None:
+                probe.unlink()
         return local
 
     @property
@@ -176,24 +216,90 @@ class DistStore(KVStore):
     def num_workers(self) -> int:
         return self._num_workers
 
-    # ---- transport
+    # ---- sending
     def _send(
         self, server: int, kind: str, body: dict, arrays=(), on_reply=None, trackers=None
     ) -> int:
+        """Send one message (not part of a multi-server call: see :meth:`_commit`)."""
         self._check_alive()
         msg_id = next(self._ids)
-        msg = Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays))
+        self._transmit(server, Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays)))
+        self._requests[msg_id] = _Request(server, kind, on_reply=on_reply)
+        return msg_id
+
+    def _transmit(self, server: int, msg: Message) -> list:
         try:
-            sent = transport.send(self._sockets[server], msg)
-            if trackers is not None:
-                trackers.extend(s.tracker for s in sent)
+            return transport.send(self._sockets[server], msg)
         except zmq.Again:
             raise PeerLostError(
-                f"{kind}: cannot send to {self._server_name(server)}: its queue "
+                f"{msg.kind}: cannot send to {self._server_name(server)}: its queue "
                 "is full (is it alive?)"
             ) from None
-        self._pending[msg_id] = (server, on_reply)
-        return msg_id
+
+    def _commit(self, what: str, outgoing: list[Outgoing], collector=None) -> tuple[list, list]:
+        """Carry out a plan: write the shared segments, send every message, then keep the
+        compression residuals. A failure after the first send leaves the servers' rounds
+        apart: the store is failed with its cause. Returns (request ids, trackers)."""
+        self._check_alive()
+        ids, trackers = [], []
+        sent_any = False
+        try:
+            for out in outgoing:
+                msg_id = next(self._ids)
+                arrays = list(out.arrays)
+                body = {"keys": [list(k) for k in out.keys], **out.body}
+                used = self._to_segments(out, arrays) if out.shared else []
+                if used:
+                    body["shm"] = [[i, seg.name, seq] for i, seg, seq in used]
+                msg = Message(out.kind, msg_id, f"worker-{self._rank}", body, arrays)
+                trackers.extend(s.tracker for s in self._transmit(out.server, msg))
+                sent_any = True
+                segments = tuple(seg for _, seg, _ in used)
+                self._requests[msg_id] = _Request(out.server, out.kind, collector, None, segments)
+                for i, _, _ in used:
+                    self._shm_last[out.keys[i]] = msg_id
+                if collector is not None:
+                    collector.expect(msg_id, out.keys)
+                ids.append(msg_id)
+        except BaseException as exc:
+            if collector is not None:
+                collector.cancel()
+            if sent_any and out.kind in _MUTATING:
+                self._fail(f"{what}: failed half-way ({exc}); the servers now hold different "
+                           "rounds of this worker's keys: restart the job", PeerLostError)
+            raise
+        for out in outgoing:
+            self._residuals.update(out.residuals)
+        return ids, trackers
+
+    def _to_segments(self, out: Outgoing, arrays: list) -> list:
+        """Move the big slices of ``out`` into their shared segments, where that is possible
+        now: ``[(array index, segment, sequence)]``; the rest go through TCP."""
+        used = []
+        for index in out.shared:
+            where = out.keys[index]
+            last = self._shm_last.get(where)
+            if where in self._no_segment or (last is not None and last in self._requests):
+                continue  # no room, or the server has not answered the last push: TCP
+            piece = arrays[index]
+            try:
+                segment = self._segments.get(where, piece.nbytes)
+            except OSError as exc:
+                self._no_segment.add(where)
+                log.warning(
+                    "no room in %s for key %r (%d bytes: %s); it goes through TCP",
+                    shm.SHM_DIR,
+                    where[0],
+                    2 * piece.nbytes,
+                    exc.strerror or exc,
+                )
+                continue
+            np.copyto(segment.push.view(piece.dtype), piece)
+            seq = int(segment.counters[0]) + 1
+            segment.counters[0] = seq
+            arrays[index] = piece[:0]  # the dtype travels, the bytes do not
+            used.append((index, segment, seq))
+        return used
 
     def _server_name(self, server: int) -> str:
         host, port = self._servers[server]
@@ -205,27 +311,30 @@ class DistStore(KVStore):
         if self._failure:
             raise self._failure_type(self._failure)
 
+    def _fail(self, text: str, kind: type[KVStoreError] = KVStoreError) -> None:
+        if self._failure is None:
+            self._failure, self._failure_type = text, kind
+
+    # ---- the one wait loop
     @metrics.traced("wait")
-    def _wait(self, what: str, ids=None, trackers=()) -> None:
-        """Collect replies until ``ids`` (default: every request in flight) are answered and
-        ``trackers`` report their buffers sent. Errors, failures and the deadline raise."""
+    def _wait(self, what: str, ids=None, trackers=(), answer: str | None = None) -> Message | None:
+        """Collect replies until ``ids`` (default: every request in flight) are answered,
+        ``trackers`` report their buffers sent and, with ``answer``, the scheduler has sent
+        that control message (returned). Errors, failures and the deadline raise; the
+        deadline (KVSTORE_TIMEOUT) starts again whenever the scheduler reports that the
+        peers this call waits for are alive but slow."""
         self._check_alive()
-        waiting = set(self._pending) if ids is None else set(ids)
+        waiting = set(self._requests) if ids is None else set(ids)
         deadline = time.monotonic() + self.cfg.request_timeout
         trackers = list(trackers)
         while True:
-            waiting &= self._pending.keys()
+            waiting &= self._requests.keys()
             trackers = [t for t in trackers if not t.done]
-            if not waiting and not trackers:
-                return
+            if not waiting and not trackers and (answer is None or answer in self._answers):
+                return self._answers.pop(answer) if answer is not None else None
             left = deadline - time.monotonic()
             if left <= 0:
-                servers = sorted({self._pending[i][0] for i in waiting})
-                names = ", ".join(self._server_name(s) for s in servers) or "the network"
-                raise PeerLostError(
-                    f"{what}: no reply from {names} within "
-                    f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)"
-                )
+                raise PeerLostError(self._deadline_text(what, waiting, answer))
             timeout = left
             if trackers:  # wake the moment ZeroMQ lets go of a buffer, not a tick later
                 try:
@@ -236,95 +345,150 @@ class DistStore(KVStore):
             for sock, _ in self._poller.poll(timeout * 1000):
                 if sock is self._control.pipe:
                     msg = self._control.recv()
-                    if msg.kind == "stall":  # a slow peer, alive: say so, and keep waiting
-                        log.warning("%s: %s", what, msg.body["message"])
+                    handler = self._control_handlers.get(msg.kind, self._on_failure)
+                    if handler(msg, what):
                         deadline = time.monotonic() + self.cfg.request_timeout
-                        continue
-                    self._on_control(msg, what)
                 else:
                     self._on_reply(sock.recv_multipart(copy=False), what)
 
-    def _on_control(self, msg: Message, what: str) -> None:
+    def _deadline_text(self, what: str, waiting: set, answer: str | None) -> str:
+        servers = sorted({self._requests[i].server for i in waiting})
+        names = [self._server_name(s) for s in servers]
+        if answer is not None and not waiting:
+            names.append(f"the scheduler at {self.cfg.scheduler_address}")
+        return (
+            f"{what}: no reply from {', '.join(names) or 'the network'} within "
+            f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT), and no word that the peers it "
+            "waits for are alive"
+        )
+
+    # ---- control messages: a handler returns True when the call's deadline starts again
+    def _on_stall(self, msg: Message, what: str) -> bool:
+        """A peer this call waits for is alive, only slow: say so, and keep waiting."""
+        log.warning("%s: %s", what, msg.body["message"])
+        return True
+
+    def _on_answer(self, msg: Message, what: str) -> bool:
+        self._answers[msg.kind] = msg
+        return False
+
+    def _on_failure(self, msg: Message, what: str) -> bool:
         try:
             raise_for(msg, what)
         except KVStoreError as exc:
-            self._failure, self._failure_type = str(exc), type(exc)
+            self._fail(str(exc), type(exc))
             raise
+        return False
 
+    # ---- replies
     def _on_reply(self, frames, what: str) -> None:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
             raise KVStoreError(f"{what}: bad reply from a server: {exc}") from None
-        entry = self._pending.pop(msg.id, None)
-        if entry is None:
-            return
+        request = self._requests.pop(msg.id, None)
+        if request is None:
+            return  # a reply of a request given up on
+        for segment in request.segments:
+            segment.unlink()  # the server has it mapped: no name left behind
         if msg.kind == "error":  # "lost": the server failed it because a node was lost
+            self._drop(request.collector)
             kind = PeerLostError if msg.body.get("lost") is True else KVStoreError
-            raise kind(f"{what}: {msg.body['message']}")
-        handler = entry[1]
-        if handler is not None:
-            handler(msg)
+            text = f"{what}: {msg.body['message']}"
+            if request.kind in _MUTATING:
+                self._fail(
+                    f"{text} (this worker's {request.kind} was refused by one server after "
+                    "others may have taken theirs, so the servers' rounds differ: the store "
+                    "takes no more calls; restart the job)",
+                    kind,
+                )
+            raise kind(text)
+        if request.collector is not None:
+            try:
+                request.collector.receive(msg.id, msg.body["keys"], self._read(msg, request))
+            except (ReplyError, KeyError, IndexError, TypeError) as exc:
+                self._drop(request.collector)
+                raise KVStoreError(
+                    f"{what}: bad reply from {self._server_name(request.server)}: {exc}"
+                ) from None
+        elif request.on_reply is not None:
+            request.on_reply(msg)
+
+    def _read(self, msg: Message, request: _Request) -> list:
+        """The reply's arrays, those left in shared segments read from there."""
+        arrays = msg.arrays
+        shared = msg.body.get("shm") or ()
+        if shared:
+            arrays = list(arrays)
+            for i in shared:
+                key, part = msg.body["keys"][i]
+                segment = self._segments.segments[(key, part)]
+                count = segment.nbytes // arrays[i].dtype.itemsize
+                arrays[i] = segment.pull.view(arrays[i].dtype)[:count]
+                segment.unlink()
+        return arrays
+
+    def _drop(self, collector: Collector | None) -> None:
+        """Cancel a call's collector and forget its other requests: their replies are late."""
+        if collector is None:
+            return
+        collector.cancel()
+        for msg_id in [i for i, r in self._requests.items() if r.collector is collector]:
+            del self._requests[msg_id]
+
+    def _collect(self, what: str, ids: list, trackers: list, collector: Collector) -> None:
+        try:
+            self._wait(what, ids, trackers)
+        except BaseException:  # an error, the deadline, Ctrl-C: nothing more is written
+            self._drop(collector)
+            raise
+        collector.finish()
 
     # ---- the store operations
     def _init(self, items):
         for item in items:
-            self._layout[item.key] = place(
-                item.key, item.values[0].size, len(self._servers), self.cfg.bigarray_bound
-            )
+            first = item.values[0]
+            self._planner.add_key(item.key, first.size, first.dtype)
         if self._rank == 0:
-            batches = self._batches(items, lambda item: self._flat(item.values[:1]))
-            ids = [
-                self._send(s, "init", {"keys": keys}, arrays)
-                for s, (keys, arrays, *_) in batches.items()
-            ]
+            keys = [item.key for item in items]
+            flats = [self._flat(item.values[:1]) for item in items]
+            ids, _ = self._commit("init", self._planner.init(keys, flats))
             self._wait("init", ids)
         self.barrier()
 
+    def _push_plan(self, kind: str, items) -> list[Outgoing]:
+        return self._planner.push(
+            kind,
+            [item.key for item in items],
+            [self._flat(item.values) for item in items],
+            self._sync,
+            self._compression,
+            self._residuals,
+        )
+
     @metrics.observed("push")
     def _push(self, items):
-        self._send_push("push", items, None)
+        """Send, and return once ZeroMQ has let go of the caller's buffers (they may be
+        reused); the acknowledgements are collected by later calls."""
+        _, trackers = self._commit("push", self._push_plan("push", items))
+        self._wait("push", ids=(), trackers=trackers)
 
     @metrics.observed("pull")
     def _pull(self, items):
-        on_reply, finish = self._receiver(items)
-        ids = [
-            self._send(s, "pull", {"keys": keys}, on_reply=on_reply)
-            for s, (keys, *_) in self._batches(items, None).items()
-        ]
-        self._wait("pull", ids)
-        finish()
+        collector = self._collector(items)
+        ids, _ = self._commit("pull", self._planner.pull([item.key for item in items]), collector)
+        self._collect("pull", ids, [], collector)
 
     @metrics.observed("pushpull")
     def _pushpull(self, items):
-        on_reply, finish = self._receiver(items)
-        trackers: list = []
-        ids = self._send_push("pushpull", items, on_reply, trackers)
-        self._wait("pushpull", ids, trackers)
-        finish()
+        collector = self._collector(items)
+        ids, trackers = self._commit("pushpull", self._push_plan("pushpull", items), collector)
+        self._collect("pushpull", ids, trackers, collector)
 
-    def _send_push(self, kind: str, items, on_reply, trackers=None) -> list:
-        """Send the pushes of ``items``, one message per server. Without ``trackers`` to fill,
-        return only when ZeroMQ has let go of the caller's buffers (they may be reused)."""
-        batches = self._batches(items, lambda item: self._flat(item.values), push=True)
-        body = {"sync": self._sync}
-        if self._compression is not None:
-            body["compression"] = self._compression.params()
-        own_trackers = trackers is None
-        trackers = [] if own_trackers else trackers
-        ids = []
-        for server, (keys, arrays, headers, shared) in batches.items():
-            extra = {"headers": headers} if self._compression is not None else {}
-            if shared:
-                extra["shm"] = shared
-            ids.append(
-                self._send(
-                    server, kind, {"keys": keys, **body, **extra}, arrays, on_reply, trackers
-                )
-            )
-        if own_trackers:
-            self._wait(kind, ids=(), trackers=trackers)
-        return ids
+    def _collector(self, items) -> Collector:
+        keys = [item.key for item in items]
+        shapes = [self._meta[key].shape for key in keys]
+        return Collector(self._planner, keys, [item.outs for item in items], shapes)
 
     def _flat(self, values) -> np.ndarray:
         """The sum of a key's device arrays as one flat, contiguous host array."""
@@ -334,113 +498,24 @@ class DistStore(KVStore):
         total = reduce_sum(values, first.dtype, on_device=self._on_device)
         return np.ascontiguousarray(to_host(total)).reshape(-1)
 
-    def _batches(self, items, flatten, push=False) -> dict:
-        """server -> ([wire key], [array slice], [compression header], [shm entry]) for
-        ``items``. A big slice for a server on this host goes into its shared segment and
-        travels as an empty array (see :mod:`kvstore.shm`)."""
-        batches: dict = {}
-        compressing = push and self._compression is not None
-        for item in items:
-            flat = None
-            if flatten is not None:
-                flat = flatten(item)
-                meta = self._meta[item.key] if item.key in self._meta else None
-                if meta is not None and flat.dtype != meta.dtype:
-                    flat = flat.astype(meta.dtype)
-            for server, part, lo, hi in self._layout[item.key]:
-                keys, arrays, headers, shared = batches.setdefault(server, ([], [], [], []))
-                keys.append([item.key, part])
-                if flat is None:
-                    continue
-                piece = flat[lo:hi]
-                if compressing:
-                    packed, header = self._compression.encode(
-                        self._residuals, (item.key, part), piece
-                    )
-                    piece = packed
-                    headers.append(header)
-                elif push and server in self._shm_servers and piece.nbytes >= SHM_FROM:
-                    shared.append([len(arrays), *self._to_segment((item.key, part), piece)])
-                    piece = piece[:0]
-                arrays.append(piece)
-        return batches
-
-    def _to_segment(self, where: tuple, piece: np.ndarray) -> tuple[str, int]:
-        """Copy a push into its shared segment once the server has taken the previous one."""
-        segment = self._segments.get(where, piece.nbytes)
-        written = int(segment.counters[0])
-        deadline = time.monotonic() + self.cfg.request_timeout
-        while int(segment.counters[1]) != written:  # the server copies a push out on receipt
-            if time.monotonic() > deadline:
-                raise KVStoreError(
-                    f"push: the server did not take the previous push of {where[0]!r} from "
-                    f"shared memory within {self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT)"
-                )
-            time.sleep(0.0001)
-        np.copyto(segment.push.view(piece.dtype), piece)
-        segment.counters[0] = written + 1
-        return segment.name, written + 1
-
-    def _receiver(self, items):
-        """A reply handler writing pulled slices into each item's outputs, and a finisher
-        that copies to every further output (other devices, other dtypes)."""
-        targets = {}
-        staged = []
-        for item in items:
-            first = item.outs[0]
-            meta = self._meta[item.key]
-            direct = (
-                namespace(first) is np and first.flags.c_contiguous and first.dtype == meta.dtype
-            )
-            flat = first.reshape(-1) if direct else np.empty(int(np.prod(meta.shape)), meta.dtype)
-            targets[item.key] = (flat, {p: (lo, hi) for _, p, lo, hi in self._layout[item.key]})
-            staged.append((item, flat, direct))
-
-        def on_reply(msg: Message) -> None:
-            shared = msg.body.get("shm") or ()
-            for i, ((key, part), array) in enumerate(
-                zip(msg.body["keys"], msg.arrays, strict=True)
-            ):
-                flat, parts = targets[key]
-                lo, hi = parts[part]
-                if i in shared:  # the server left the value in this part's shared segment
-                    segment = self._segments.segments[(key, part)]
-                    array = segment.pull.view(flat.dtype)
-                    segment.unlink()  # both sides have it mapped: no name left behind
-                flat[lo:hi] = array
-
-        def finish() -> None:
-            for item, flat, direct in staged:
-                source = flat.reshape(self._meta[item.key].shape)
-                for out in item.outs[1:] if direct else item.outs:
-                    copy_into(out, source)
-
-        return on_reply, finish
-
     # ---- collective and control
+    def _ask_scheduler(self, what: str, kind: str, answer: str, body=None) -> Message:
+        """Send ``kind`` to the scheduler once this worker's requests are answered, and wait
+        in the one wait loop for ``answer``."""
+        self._wait(what)
+        self._control.send(kind, body)
+        return self._wait(what, ids=(), answer=answer)
+
     @metrics.observed("barrier")
     def barrier(self) -> None:
         """Wait until every worker has called ``barrier`` (and this worker's pushes are done)."""
-        self._wait("barrier")
-        self._control.send("barrier", {"group": "worker"})
-        try:
-            self._control.wait("barrier", ("barrier_done",), self.cfg.request_timeout)
-        except KVStoreError as exc:
-            self._failure, self._failure_type = str(exc), type(exc)
-            raise
+        self._ask_scheduler("barrier", "barrier", "barrier_done", {"group": "worker"})
 
     @metrics.observed("join")
     def join(self) -> int:
         """Out of data: wait until this worker's pushes are done, then count as pushing zeros
         into every round until all workers have joined; return the last rank to join."""
-        self._wait("join")
-        self._control.send("join")
-        try:
-            done = self._control.wait("join", ("join_done",), self.cfg.request_timeout)
-        except KVStoreError as exc:
-            self._failure, self._failure_type = str(exc), type(exc)
-            raise
-        return done.body["last"]
+        return self._ask_scheduler("join", "join", "join_done").body["last"]
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Send the optimizer (as a spec) to every server; return once they all hold it, so
@@ -494,6 +569,8 @@ class DistStore(KVStore):
             self._send(s, "command", {"name": "set_states"}, [np.frombuffer(b, np.uint8)])
             for s, b in enumerate(blobs)
         ]
+        for msg_id in ids:
+            self._requests[msg_id].kind = "set_states"  # a partial load fails the store
         self._wait("load_optimizer_states", ids)
 
     def __del__(self) -> None:

@@ -21,7 +21,7 @@ kv.init(list(shapes), [np.zeros(s, np.float32) for s in shapes.values()])
 replay = Compression.from_params(params)
 residuals = [{} for _ in range(W)]
 expected = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-layout = {k: kv._layout[k] for k in shapes}
+layout = {k: kv._planner.layout[k] for k in shapes}
 
 
 def grad(rank, rnd, shape):

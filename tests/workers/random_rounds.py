@@ -79,5 +79,5 @@ for step, keys in enumerate(plan):
             check(later, outs)
             unchecked.clear()
 kv.close()
-print(f"rank {rank} shares memory with {len(kv._shm_servers)} servers", flush=True)
+print(f"rank {rank} shares memory with {len(kv._planner.shm_servers)} servers", flush=True)
 print(f"rank {rank} OK: {checks} pulled values exact", flush=True)

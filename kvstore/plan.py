@@ -1,0 +1,227 @@
+"""The worker's side of a call, without I/O: what to send to which server, and what to do
+with the replies.
+
+:class:`Planner` turns one call (``push``, ``pull``, ``pushpull``, ``init``) into immutable
+per-server :class:`Outgoing` messages: the slices of each key's flat value (placement from
+:mod:`kvstore.sharding`), dtype casts, compression (the new residuals are returned, not kept:
+the driver keeps them once the messages are sent) and which slices may go through a shared
+segment. The routing of a key set is cached, so a training loop that pushes the same keys
+every step pays for it once.
+
+A :class:`Collector` owns one call's outputs and the reply parts still expected. It checks
+each reply against what was asked (keys, sizes, dtypes) before writing, and once cancelled (the
+call failed, was interrupted or timed out) it writes nothing more: a late reply of a call that
+already raised never touches the caller's arrays.
+
+Neither does I/O; :mod:`kvstore.worker` drives them (sockets, shared memory, the wait loop)
+and tests drive them directly (``tests/test_plan.py``).
+
+>>> p = Planner(num_server=2, bigarray_bound=4)
+>>> p.add_key("w", 6, np.dtype("f4"))
+>>> [(m.server, m.keys) for m in p.pull(["w"])]
+[(0, (('w', 0),)), (1, (('w', 1),))]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arrays import copy_into, namespace
+from .sharding import place
+
+SHM_FROM = 65536  # bytes: a slice at least this big may go through a shared segment
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of one key of a call that one server holds."""
+
+    item: int  # the key's position in the call
+    key: object
+    part: int
+    lo: int
+    hi: int
+    shared: bool  # big enough for the shared segment of a server on this host
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message to one server, ready to send but for the shared-memory entries, which
+    the driver fills in (it owns the segments)."""
+
+    server: int
+    kind: str
+    keys: tuple  # ((key, part), ...): the wire keys, one per array
+    body: dict  # without "keys" and "shm"
+    arrays: tuple  # one flat slice (or compressed codes) per key, or none (a pull)
+    shared: tuple = ()  # indices of arrays that may travel through a shared segment
+    residuals: tuple = ()  # ((key, part), new residual): kept once this message is sent
+
+
+class Planner:
+    """Key placement, and routes per key set (cached)."""
+
+    def __init__(self, num_server: int, bigarray_bound: int, shm_servers=frozenset()):
+        self.num_server = num_server
+        self.bigarray_bound = bigarray_bound
+        self.shm_servers = frozenset(shm_servers)
+        self.layout: dict = {}  # key -> [(server, part, lo, hi)]
+        self.dtypes: dict = {}  # key -> the stored dtype
+        self._routes: dict = {}  # (keys, push) -> ((server, (Slice, ...)), ...)
+
+    def add_key(self, key, size: int, dtype) -> None:
+        self.layout[key] = place(key, size, self.num_server, self.bigarray_bound)
+        self.dtypes[key] = np.dtype(dtype)
+
+    def set_shm_servers(self, servers) -> None:
+        self.shm_servers = frozenset(servers)
+        self._routes.clear()
+
+    def route(self, keys: tuple, push: bool) -> tuple:
+        """``((server, (Slice, ...)), ...)`` for a call on ``keys``, servers in order."""
+        cached = self._routes.get((keys, push))
+        if cached is not None:
+            return cached
+        by_server: dict = {}
+        for item, key in enumerate(keys):
+            itemsize = self.dtypes[key].itemsize
+            for server, part, lo, hi in self.layout[key]:
+                shared = (
+                    push and server in self.shm_servers and (hi - lo) * itemsize >= SHM_FROM
+                )
+                by_server.setdefault(server, []).append(Slice(item, key, part, lo, hi, shared))
+        route = tuple((s, tuple(by_server[s])) for s in sorted(by_server))
+        if len(self._routes) >= 4096:  # key sets that never repeat: do not grow for ever
+            self._routes.clear()
+        self._routes[(keys, push)] = route
+        return route
+
+    # ---- calls
+    def pull(self, keys) -> list[Outgoing]:
+        return [
+            Outgoing(server, "pull", tuple((s.key, s.part) for s in slices), {}, ())
+            for server, slices in self.route(tuple(keys), False)
+        ]
+
+    def init(self, keys, flats) -> list[Outgoing]:
+        return self._with_values("init", keys, flats, {}, None, None)
+
+    def push(
+        self, kind: str, keys, flats, sync: bool, compression=None, residuals=None
+    ) -> list[Outgoing]:
+        """``kind`` is ``push`` or ``pushpull``; ``flats`` one flat host array per key (cast
+        to the stored dtype here). With ``compression``, the codes travel instead of the
+        values, and each message carries the residuals to keep once it is sent."""
+        body: dict = {"sync": sync}
+        if compression is not None:
+            body["compression"] = compression.params()
+        return self._with_values(kind, keys, flats, body, compression, residuals or {})
+
+    def _with_values(self, kind, keys, flats, body, compression, residuals) -> list[Outgoing]:
+        keys = tuple(keys)
+        cast = []
+        for key, flat in zip(keys, flats, strict=True):
+            dtype = self.dtypes[key]
+            cast.append(flat if flat.dtype == dtype else flat.astype(dtype))
+        out = []
+        for server, slices in self.route(keys, kind != "init"):
+            arrays, shared, headers, kept = [], [], [], []
+            for index, s in enumerate(slices):
+                piece = cast[s.item][s.lo : s.hi]
+                if compression is not None:
+                    where = (s.key, s.part)
+                    piece, header, residual = compression.quantize(residuals.get(where), piece)
+                    headers.append(header)
+                    kept.append((where, residual))
+                elif s.shared:
+                    shared.append(index)
+                arrays.append(piece)
+            extra = {"headers": headers} if compression is not None else {}
+            out.append(
+                Outgoing(
+                    server,
+                    kind,
+                    tuple((s.key, s.part) for s in slices),
+                    {**body, **extra},
+                    tuple(arrays),
+                    tuple(shared),
+                    tuple(kept),
+                )
+            )
+        return out
+
+
+class ReplyError(ValueError):
+    """A reply that does not answer what was asked."""
+
+
+class Collector:
+    """The outputs of one pulling call, and the reply parts it still waits for.
+
+    ``outs`` is one list of output arrays per key (the first is written directly when it is
+    a contiguous host array of the stored dtype, else a staging array is; :meth:`finish`
+    copies to the rest). :meth:`expect` registers a sent request, :meth:`receive` writes a
+    reply's slices, :meth:`cancel` stops all writing."""
+
+    def __init__(self, planner: Planner, keys, outs, shapes):
+        self.cancelled = False
+        self._targets: dict = {}
+        self._staged = []
+        for key, key_outs, shape in zip(keys, outs, shapes, strict=True):
+            dtype = planner.dtypes[key]
+            first = key_outs[0]
+            direct = (
+                namespace(first) is np and first.flags.c_contiguous and first.dtype == dtype
+            )
+            flat = first.reshape(-1) if direct else np.empty(int(np.prod(shape)), dtype)
+            parts = {part: (lo, hi) for _, part, lo, hi in planner.layout[key]}
+            self._targets[key] = (flat, parts)
+            self._staged.append((key_outs, flat, shape, direct))
+        self._expected: dict = {}  # request id -> ((key, part), ...)
+
+    def expect(self, request: int, keys: tuple) -> None:
+        self._expected[request] = keys
+
+    @property
+    def waiting(self) -> set:
+        return set(self._expected)
+
+    def receive(self, request: int, keys, arrays) -> None:
+        """Write a reply's slices (``arrays`` in the order of ``keys``). A reply of a cancelled
+        call, or one that was not expected, writes nothing; one that answers something else
+        than was asked raises :class:`ReplyError` and writes nothing."""
+        asked = self._expected.pop(request, None)
+        if asked is None or self.cancelled:
+            return
+        keys = tuple(tuple(k) for k in keys)
+        if keys != asked or len(arrays) != len(keys):
+            self.cancel()
+            raise ReplyError(f"the reply holds keys {list(keys)[:4]}, expected {list(asked)[:4]}")
+        for (key, part), array in zip(keys, arrays, strict=True):
+            flat, parts = self._targets[key]
+            lo, hi = parts[part]
+            if array.dtype != flat.dtype or array.size != hi - lo:
+                self.cancel()
+                raise ReplyError(
+                    f"key {key!r} part {part}: got {array.size} x {array.dtype}, "
+                    f"expected {hi - lo} x {flat.dtype}"
+                )
+        for (key, part), array in zip(keys, arrays, strict=True):
+            flat, parts = self._targets[key]
+            lo, hi = parts[part]
+            flat[lo:hi] = array.reshape(-1)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._expected.clear()
+
+    def finish(self) -> None:
+        """Copy the pulled values to every further output (other devices, dtypes)."""
+        if self.cancelled:
+            return
+        for key_outs, flat, shape, direct in self._staged:
+            source = flat.reshape(shape)
+            for out in key_outs[1:] if direct else key_outs:
+                copy_into(out, source)
