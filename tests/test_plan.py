@@ -125,7 +125,7 @@ def test_a_collector_writes_exactly_the_replies_of_a_call_not_cancelled(call, se
     }
     # outs: some direct (contiguous, right dtype), some needing a cast or a second device copy
     outs, shapes = [], []
-    for key, size, dtype in zip(keys, sizes, dtypes, strict=True):
+    for size, dtype in zip(sizes, dtypes, strict=True):
         kind = data.draw(st.sampled_from(["direct", "cast", "two"]))
         first = np.full(size, -7, dtype if kind != "cast" else np.float64)
         outs.append([first] if kind != "two" else [first, np.full(size, -7, dtype)])
