@@ -68,11 +68,13 @@ class Planner:
         self.bigarray_bound = bigarray_bound
         self.shm_servers = frozenset(shm_servers)
         self.layout: dict = {}  # key -> [(server, part, lo, hi)]
+        self.parts: dict = {}  # key -> {part: (lo, hi)}
         self.dtypes: dict = {}  # key -> the stored dtype
         self._routes: dict = {}  # (keys, push) -> ((server, (Slice, ...)), ...)
 
     def add_key(self, key, size: int, dtype) -> None:
         self.layout[key] = place(key, size, self.num_server, self.bigarray_bound)
+        self.parts[key] = {part: (lo, hi) for _, part, lo, hi in self.layout[key]}
         self.dtypes[key] = np.dtype(dtype)
 
     def set_shm_servers(self, servers) -> None:
@@ -173,12 +175,14 @@ class Collector:
             dtype = planner.dtypes[key]
             first = key_outs[0]
             direct = (
-                namespace(first) is np and first.flags.c_contiguous and first.dtype == dtype
+                (type(first) is np.ndarray or namespace(first) is np)
+                and first.flags.c_contiguous
+                and first.dtype == dtype
             )
             flat = first.reshape(-1) if direct else np.empty(int(np.prod(shape)), dtype)
-            parts = {part: (lo, hi) for _, part, lo, hi in planner.layout[key]}
-            self._targets[key] = (flat, parts)
-            self._staged.append((key_outs, flat, shape, direct))
+            self._targets[key] = (flat, planner.parts[key])
+            if not direct or len(key_outs) > 1:
+                self._staged.append((key_outs, flat, shape, direct))
         self._expected: dict = {}  # request id -> ((key, part), ...)
 
     def expect(self, request: int, keys: tuple) -> None:

@@ -45,6 +45,12 @@ def _norm_key(key):
     return int(key) if isinstance(key, np.integer) else key
 
 
+def _few(keys: list, shown: int = 8) -> str:
+    """``keys`` for an error message: the first few, and how many more."""
+    text = ", ".join(repr(k) for k in keys[:shown])
+    return f"[{text}, ... {len(keys) - shown} more]" if len(keys) > shown else f"[{text}]"
+
+
 def _as_list(value, what: str, key, role: str = "value") -> list:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
@@ -133,10 +139,11 @@ class KVStore:
             raise TypeError(
                 f"{what}: int and str keys cannot be mixed in one store "
                 f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
-                f"got {norm!r})"
+                f"got {_few(norm)})"
             )
         if len(set(norm)) != len(norm):
-            raise ValueError(f"{what}: duplicate keys in one call: {norm!r}")
+            twice = sorted({k for k in norm if norm.count(k) > 1}, key=str)
+            raise ValueError(f"{what}: duplicate keys in one call: {_few(twice)}")
         per_key = {}
         for name, given in (("values", values), ("out", outs)):
             if given is _ABSENT:
