@@ -90,9 +90,7 @@ class Planner:
         for item, key in enumerate(keys):
             itemsize = self.dtypes[key].itemsize
             for server, part, lo, hi in self.layout[key]:
-                shared = (
-                    push and server in self.shm_servers and (hi - lo) * itemsize >= SHM_FROM
-                )
+                shared = push and server in self.shm_servers and (hi - lo) * itemsize >= SHM_FROM
                 by_server.setdefault(server, []).append(Slice(item, key, part, lo, hi, shared))
         route = tuple((s, tuple(by_server[s])) for s in sorted(by_server))
         if len(self._routes) >= 4096:  # key sets that never repeat: do not grow for ever

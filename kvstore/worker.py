@@ -198,9 +198,7 @@ class DistStore(KVStore):
         except OSError as exc:  # no room, or no /dev/shm to write: TCP
             log.info("no shared memory (%s); every part goes through TCP", exc)
             probe, body = None, {"host": ""}
-        ids = [
-            self._send(s, "hello", body, on_reply=answer(s)) for s in range(len(self._servers))
-        ]
+        ids = [self._send(s, "hello", body, on_reply=answer(s)) for s in range(len(self._servers))]
         try:
             self._wait("kvstore.create (hello)", ids)
         finally:
@@ -265,8 +263,11 @@ class DistStore(KVStore):
             if collector is not None:
                 collector.cancel()
             if sent_any and out.kind in _MUTATING:
-                self._fail(f"{what}: failed half-way ({exc}); the servers now hold different "
-                           "rounds of this worker's keys: restart the job", PeerLostError)
+                self._fail(
+                    f"{what}: failed half-way ({exc}); the servers now hold different "
+                    "rounds of this worker's keys: restart the job",
+                    PeerLostError,
+                )
             raise
         for out in outgoing:
             self._residuals.update(out.residuals)
