@@ -430,12 +430,11 @@ class DistStore(KVStore):
         return arrays
 
     def _drop(self, collector: Collector | None) -> None:
-        """Cancel a call's collector and forget its other requests: their replies are late."""
-        if collector is None:
-            return
-        collector.cancel()
-        for msg_id in [i for i, r in self._requests.items() if r.collector is collector]:
-            del self._requests[msg_id]
+        """Cancel a call's collector: its late replies write nothing. Its requests stay in
+        flight (a later wait collects them): a refusal among them still fails the store, and
+        a shared segment they name is not written again before the server has answered."""
+        if collector is not None:
+            collector.cancel()
 
     def _collect(self, what: str, ids: list, trackers: list, collector: Collector) -> None:
         try:
