@@ -179,37 +179,51 @@ def _is_loopback(host: str) -> bool:
 # ---------------------------------------------------------------- the view (loop thread)
 
 
-def job_view(sched, now: float, ended: str = "") -> dict:
-    """Everything the page and /metrics show, as plain data copied from the scheduler."""
-    cfg = sched.cfg
+def job_view(
+    snapshot: dict,
+    metrics: dict,
+    stalls: dict,
+    stalls_seen: int,
+    cfg,
+    now: float,
+    ended: str = "",
+) -> dict:
+    """Everything the page and /metrics show, as plain data: the membership's ``snapshot``
+    (:meth:`kvstore.membership.Membership.snapshot`), each node's counters by identity, and
+    the stall reports the scheduler keeps."""
     nodes = []
-    for node in sorted(sched.nodes.values(), key=lambda n: (n.role != "worker", n.rank, n.pid)):
-        m = node.metrics or {}
-        if node.failed:
+    by_rank: dict = {}  # worker rank -> its counters
+    for node in sorted(
+        snapshot["nodes"], key=lambda n: (n["role"] != "worker", n["rank"], n["pid"])
+    ):
+        m = metrics.get(node["identity"]) or {}
+        if node["role"] == "worker":
+            by_rank[node["rank"]] = m
+        if node["failed"]:
             state = "failed"
-        elif node.finalized:
+        elif node["finalized"]:
             state = "finished"
-        elif node.role == "worker" and node.rank in sched.joined:
+        elif node["joined"]:
             state = "joined"
-        elif not sched.ready:
+        elif not snapshot["ready"]:
             state = "registered"
         else:
             state = "running"
         current = m.get("cur", "")
-        if not current and any(node.identity in b["ids"] for b in sched.barriers.values()):
+        if not current and node["in_barrier"]:
             current = "barrier"
         nodes.append(
             {
-                "role": node.role,
-                "rank": node.rank,
-                "host": node.host,
-                "port": node.port,
-                "pid": node.pid,
+                "role": node["role"],
+                "rank": node["rank"],
+                "host": node["host"],
+                "port": node["port"],
+                "pid": node["pid"],
                 "state": state,
-                "reason": node.failed,
+                "reason": node["failed"],
                 "current": current if state in ("running", "joined") else "",
                 "current_for": m.get("for", 0.0),
-                "heartbeat_age": now - node.last_seen,
+                "heartbeat_age": node["heartbeat_age"],
                 "metrics": m,
             }
         )
@@ -231,20 +245,20 @@ def job_view(sched, now: float, ended: str = "") -> dict:
         ),
         key=lambda p: -p[3],
     )[:TOP]
-    stalls = [
+    shown = [
         {"what": what, "text": s["text"], "age": s["age"] + (now - s["at"]), "since": s["first"]}
-        for what, s in sched.stalls.items()
-        if _stall_current(sched, s, now)
+        for what, s in stalls.items()
+        if _stall_current(s, by_rank, cfg.stall_report, now)
     ]
-    state = "starting" if not sched.ready else "running"
+    state = "starting" if not snapshot["ready"] else "running"
     if ended:
         state = ended
     store = next((w["metrics"].get("store") for w in workers if w["metrics"].get("store")), "")
     return {
         "time": time.time(),
         "state": state,
-        "failure": sched.failure or next((n["reason"] for n in nodes if n["reason"]), ""),
-        "uptime": now - sched.started,
+        "failure": snapshot["failure"] or next((n["reason"] for n in nodes if n["reason"]), ""),
+        "uptime": snapshot["uptime"],
         "num_worker": cfg.num_worker,
         "num_server": cfg.num_server,
         "store": store,
@@ -253,22 +267,21 @@ def job_view(sched, now: float, ended: str = "") -> dict:
         "keys": [[k, b, r, t] for k, (b, r, t) in top],
         "nkeys": max((w["metrics"].get("nkeys", 0) for w in workers), default=0),
         "parts": [list(p) for p in parts],
-        "stalls": stalls,
-        "stalls_total": sched.stalls_seen,
+        "stalls": shown,
+        "stalls_total": stalls_seen,
         "bytes": sum(w["metrics"].get("bp", 0) + w["metrics"].get("bl", 0) for w in workers),
         "rounds": min((w["metrics"].get("pushes", 0) for w in workers), default=0),
         "metrics": cfg.metrics,
     }
 
 
-def _stall_current(sched, stall: dict, now: float) -> bool:
+def _stall_current(stall: dict, by_rank: dict, every: float, now: float) -> bool:
     """A stall shows until a worker that waited on it completes a call, or until it has gone
     unreported for longer than the servers' report period."""
     for rank, calls in stall["calls"].items():
-        node = sched.workers_by_rank().get(rank)
-        if node is not None and node.metrics and _calls(node.metrics) > calls:
+        m = by_rank.get(rank)
+        if m and _calls(m) > calls:
             return False
-    every = sched.cfg.stall_report
     return not every or now - stall["at"] < 1.5 * every + 5
 
 
