@@ -7,8 +7,12 @@ or hostile client never holds up the loop, and the loop never waits for a lock.
 
 It listens on 127.0.0.1 by default (``KVSTORE_STATUS_PORT``: the port, 0 to turn it off;
 unset, any free port). With ``KVSTORE_STATUS_ADDR`` it listens elsewhere, and then answers a
-request that does not come from the loopback only with the job's secret as a token:
-``?token=SECRET`` or ``Authorization: Bearer SECRET``.
+request that does not come from the loopback only with the page's token, :func:`page_token`
+(derived from the job's secret, so a leaked token never leaks the secret):
+``Authorization: Bearer TOKEN``, or ``?token=TOKEN`` once: that is answered with a redirect to
+the clean URL that sets the token as an HttpOnly, SameSite=Strict cookie, so the token stays
+out of the address bar, the history and any later request line. Neither the token nor a query
+string is ever logged. ``python -m kvstore status-token`` prints the token.
 
 The page needs no network: inline CSS, an inline SVG plot, and a few lines of script that
 fetch the page again every 2 seconds and swap in its content.
@@ -20,17 +24,20 @@ fetch the page again every 2 seconds and swap in its content.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import html
 import ipaddress
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from collections import deque
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from .metrics import BUCKETS, TOP
 
@@ -38,6 +45,18 @@ log = logging.getLogger("kvstore.status")
 
 HISTORY = 300  # samples of the throughput plot, one per second: the last 5 minutes
 PUBLISH_EVERY = 0.5  # seconds between the loop's views
+COOKIE = "kvstore_token"
+_TOKEN_LABEL = b"kvstore status page token v1"
+
+
+def page_token(secret: bytes) -> str:
+    """The status page's token: HMAC-SHA256 of a fixed label under the job's secret, in hex.
+    Whoever holds it can read the page, not join the job.
+
+    >>> page_token(b"0123456789abcdef0123456789abcdef")[:16]
+    '52d0502b149c5913'
+    """
+    return hmac.new(secret, _TOKEN_LABEL, hashlib.sha256).hexdigest()
 
 
 class StatusServer:
@@ -54,6 +73,7 @@ class StatusServer:
         self.httpd.status = self
         self.port = self.httpd.server_address[1]
         self.loopback_only = _is_loopback(cfg.status_addr)
+        self.token = page_token(cfg.secret) if cfg.secret else ""
         self._registry = None
         self._thread = threading.Thread(
             target=self.httpd.serve_forever,
@@ -85,16 +105,25 @@ class StatusServer:
 
     # ---- what the HTTP threads call
     def allowed(self, client: str, query: dict, headers) -> bool:
-        if _is_loopback(client):
-            return True
-        secret = self.cfg.secret
-        if not secret:
-            return False  # KVSTORE_INSECURE: no secret to check, so the loopback only
-        offered = (query.get("token") or [""])[0]
+        """Loopback clients always; others with the page's token (a query, a bearer header
+        or the cookie the query's redirect set)."""
+        return _is_loopback(client) or self.valid(query, headers)
+
+    def valid(self, query: dict, headers) -> bool:
+        if not self.token:
+            return False  # KVSTORE_INSECURE: no secret to derive it from, so the loopback only
+        offered = [(query.get("token") or [""])[0]]
         auth = headers.get("Authorization", "")
         if auth.startswith("Bearer "):
-            offered = auth[7:].strip()
-        return hmac.compare_digest(offered.encode(), secret)
+            offered.append(auth[7:].strip())
+        try:
+            cookie = SimpleCookie(headers.get("Cookie", ""))
+        except CookieError:
+            cookie = {}
+        if COOKIE in cookie:
+            offered.append(cookie[COOKIE].value)
+        token = self.token.encode()
+        return any(hmac.compare_digest(o.encode(errors="replace"), token) for o in offered if o)
 
     def prometheus(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -127,10 +156,27 @@ class _Handler(BaseHTTPRequestHandler):
         if not status.allowed(self.client_address[0], query, self.headers):
             self._send(
                 403,
-                b"kvstore status: a request from another host needs the job's secret: "
-                b"?token=KVSTORE_SECRET or 'Authorization: Bearer KVSTORE_SECRET'\n",
+                b"kvstore status: a request from another host needs the page's token "
+                b"(`python -m kvstore status-token` prints it from KVSTORE_SECRET): "
+                b"?token=TOKEN once, or 'Authorization: Bearer TOKEN'\n",
                 "text/plain; charset=utf-8",
             )
+            return
+        if "token" in query:  # once: from now on the cookie carries it, not the URL
+            rest = {k: v for k, v in query.items() if k != "token"}
+            self.send_response(303)
+            self.send_header(
+                "Location", url.path + (f"?{urlencode(rest, doseq=True)}" if rest else "")
+            )
+            if status.valid(query, {}):
+                self.send_header(
+                    "Set-Cookie",
+                    f"{COOKIE}={status.token}; Path=/; HttpOnly; SameSite=Strict",
+                )
+            self.send_header("Content-Length", "0")
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Referrer-Policy", "no-referrer")
+            self.end_headers()
             return
         view = status.view
         try:
@@ -161,8 +207,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def log_request(self, code="-", size="-") -> None:
+        # never the request line: its query may hold the token
+        path = urlsplit(self.path).path if hasattr(self, "path") else "?"
+        log.debug("status: %s %s %s %s", self.address_string(), self.command, path, code)
+
     def log_message(self, fmt, *args) -> None:
-        log.debug("status: %s %s", self.address_string(), fmt % args)
+        # an error's text may quote the raw request line: drop any query and token from it
+        text = _QUERY.sub("?<hidden>", fmt % args)
+        token = self.server.status.token
+        log.debug(
+            "status: %s %s",
+            self.address_string(),
+            text.replace(token, "<hidden>") if token else text,
+        )
+
+
+_QUERY = re.compile(r"\?[^\s'\"]*")
 
 
 def _is_loopback(host: str) -> bool:
@@ -620,7 +681,7 @@ footer {{ margin-top: 1.5em; color: #666; font-size: .9em; }}
 <body>
 {main}
 <script>
-// Refresh the content every 2 s from the same URL (the token, if any, stays in it).
+// Refresh the content every 2 s from the same URL (a token, if any, is in a cookie).
 setInterval(async function () {{
   try {{
     const reply = await fetch(location.href, {{cache: "no-store"}});
