@@ -4,6 +4,7 @@ what each role is.
     kvstore --version          # kvstore-ps 0.1.0
     kvstore                    # version, dependencies, DMLC_*/KVSTORE_* found, the roles
     kvstore launch -n 2 ...    # the same as launch.py / kvstore-launch
+    kvstore status-token       # the status page's token, from KVSTORE_SECRET(_FILE)
 """
 
 from __future__ import annotations
@@ -99,15 +100,40 @@ def main(argv=None) -> int:
         from .launch.cli import main as launch_main
 
         return launch_main(argv[1:])
+    if argv[:1] == ["status-token"]:
+        return status_token()
     parser = argparse.ArgumentParser(
         prog="kvstore",
         description="kvstore: a parameter-server key-value store (MXNet's KVStore API). "
         "Without arguments: the version, the cluster settings found, and the roles. "
-        "`kvstore launch ...` starts a job (see `kvstore launch -h`).",
+        "`kvstore launch ...` starts a job (see `kvstore launch -h`); `kvstore status-token` "
+        "prints the status page's token.",
     )
     parser.add_argument("--version", action="version", version=version_line())
     parser.parse_args(argv)
     print(describe())
+    return 0
+
+
+def status_token(env=None) -> int:
+    """Print the status page's token (never the secret it is derived from)."""
+    from .config import ConfigError, _secret
+    from .status import page_token
+
+    env = os.environ if env is None else env
+    try:
+        secret = _secret(env)
+    except ConfigError as exc:
+        print(f"kvstore status-token: {exc}", file=sys.stderr)
+        return 2
+    if not secret:
+        print(
+            "kvstore status-token: no job secret: set KVSTORE_SECRET or KVSTORE_SECRET_FILE "
+            "as the job has it (the page of a KVSTORE_INSECURE job answers the loopback only)",
+            file=sys.stderr,
+        )
+        return 2
+    print(page_token(secret))
     return 0
 
 

@@ -197,7 +197,10 @@ class Server:
         for stall in self.rounds.stalled(now, self.STALL_FIRST):
             name = _show(stall.key)
             seen = self._stall_reports.get(name)
-            every = self.cfg.stall_report or float("inf")
+            # the waiting workers' cadence (membership.report_every): each report the
+            # scheduler passes on restarts their deadline, so one comes well within it
+            third = self.cfg.request_timeout / 3
+            every = min(self.cfg.stall_report, third) if self.cfg.stall_report else third
             if seen is not None and seen[0] == stall.round and now < seen[1]:
                 continue
             self._stall_reports[name] = (stall.round, now + every, stall.key)

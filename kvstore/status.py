@@ -7,8 +7,12 @@ or hostile client never holds up the loop, and the loop never waits for a lock.
 
 It listens on 127.0.0.1 by default (``KVSTORE_STATUS_PORT``: the port, 0 to turn it off;
 unset, any free port). With ``KVSTORE_STATUS_ADDR`` it listens elsewhere, and then answers a
-request that does not come from the loopback only with the job's secret as a token:
-``?token=SECRET`` or ``Authorization: Bearer SECRET``.
+request that does not come from the loopback only with the page's token, :func:`page_token`
+(derived from the job's secret, so a leaked token never leaks the secret):
+``Authorization: Bearer TOKEN``, or ``?token=TOKEN`` once: that is answered with a redirect to
+the clean URL that sets the token as an HttpOnly, SameSite=Strict cookie, so the token stays
+out of the address bar, the history and any later request line. Neither the token nor a query
+string is ever logged. ``python -m kvstore status-token`` prints the token.
 
 The page needs no network: inline CSS, an inline SVG plot, and a few lines of script that
 fetch the page again every 2 seconds and swap in its content.
@@ -20,17 +24,20 @@ fetch the page again every 2 seconds and swap in its content.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import html
 import ipaddress
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from collections import deque
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from .metrics import BUCKETS, TOP
 
@@ -38,6 +45,18 @@ log = logging.getLogger("kvstore.status")
 
 HISTORY = 300  # samples of the throughput plot, one per second: the last 5 minutes
 PUBLISH_EVERY = 0.5  # seconds between the loop's views
+COOKIE = "kvstore_token"
+_TOKEN_LABEL = b"kvstore status page token v1"
+
+
+def page_token(secret: bytes) -> str:
+    """The status page's token: HMAC-SHA256 of a fixed label under the job's secret, in hex.
+    Whoever holds it can read the page, not join the job.
+
+    >>> page_token(b"0123456789abcdef0123456789abcdef")[:16]
+    '52d0502b149c5913'
+    """
+    return hmac.new(secret, _TOKEN_LABEL, hashlib.sha256).hexdigest()
 
 
 class StatusServer:
@@ -54,6 +73,7 @@ class StatusServer:
         self.httpd.status = self
         self.port = self.httpd.server_address[1]
         self.loopback_only = _is_loopback(cfg.status_addr)
+        self.token = page_token(cfg.secret) if cfg.secret else ""
         self._registry = None
         self._thread = threading.Thread(
             target=self.httpd.serve_forever,
@@ -85,16 +105,25 @@ class StatusServer:
 
     # ---- what the HTTP threads call
     def allowed(self, client: str, query: dict, headers) -> bool:
-        if _is_loopback(client):
-            return True
-        secret = self.cfg.secret
-        if not secret:
-            return False  # KVSTORE_INSECURE: no secret to check, so the loopback only
-        offered = (query.get("token") or [""])[0]
+        """Loopback clients always; others with the page's token (a query, a bearer header
+        or the cookie the query's redirect set)."""
+        return _is_loopback(client) or self.valid(query, headers)
+
+    def valid(self, query: dict, headers) -> bool:
+        if not self.token:
+            return False  # KVSTORE_INSECURE: no secret to derive it from, so the loopback only
+        offered = [(query.get("token") or [""])[0]]
         auth = headers.get("Authorization", "")
         if auth.startswith("Bearer "):
-            offered = auth[7:].strip()
-        return hmac.compare_digest(offered.encode(), secret)
+            offered.append(auth[7:].strip())
+        try:
+            cookie = SimpleCookie(headers.get("Cookie", ""))
+        except CookieError:
+            cookie = {}
+        if COOKIE in cookie:
+            offered.append(cookie[COOKIE].value)
+        token = self.token.encode()
+        return any(hmac.compare_digest(o.encode(errors="replace"), token) for o in offered if o)
 
     def prometheus(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -127,10 +156,27 @@ class _Handler(BaseHTTPRequestHandler):
         if not status.allowed(self.client_address[0], query, self.headers):
             self._send(
                 403,
-                b"kvstore status: a request from another host needs the job's secret: "
-                b"?token=KVSTORE_SECRET or 'Authorization: Bearer KVSTORE_SECRET'\n",
+                b"kvstore status: a request from another host needs the page's token "
+                b"(`python -m kvstore status-token` prints it from KVSTORE_SECRET): "
+                b"?token=TOKEN once, or 'Authorization: Bearer TOKEN'\n",
                 "text/plain; charset=utf-8",
             )
+            return
+        if "token" in query:  # once: from now on the cookie carries it, not the URL
+            rest = {k: v for k, v in query.items() if k != "token"}
+            self.send_response(303)
+            self.send_header(
+                "Location", url.path + (f"?{urlencode(rest, doseq=True)}" if rest else "")
+            )
+            if status.valid(query, {}):
+                self.send_header(
+                    "Set-Cookie",
+                    f"{COOKIE}={status.token}; Path=/; HttpOnly; SameSite=Strict",
+                )
+            self.send_header("Content-Length", "0")
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Referrer-Policy", "no-referrer")
+            self.end_headers()
             return
         view = status.view
         try:
@@ -161,8 +207,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def log_request(self, code="-", size="-") -> None:
+        # never the request line: its query may hold the token
+        path = urlsplit(self.path).path if hasattr(self, "path") else "?"
+        log.debug("status: %s %s %s %s", self.address_string(), self.command, path, code)
+
     def log_message(self, fmt, *args) -> None:
-        log.debug("status: %s %s", self.address_string(), fmt % args)
+        # an error's text may quote the raw request line: drop any query and token from it
+        text = _QUERY.sub("?<hidden>", fmt % args)
+        token = self.server.status.token
+        log.debug(
+            "status: %s %s",
+            self.address_string(),
+            text.replace(token, "<hidden>") if token else text,
+        )
+
+
+_QUERY = re.compile(r"\?[^\s'\"]*")
 
 
 def _is_loopback(host: str) -> bool:
@@ -179,37 +240,51 @@ def _is_loopback(host: str) -> bool:
 # ---------------------------------------------------------------- the view (loop thread)
 
 
-def job_view(sched, now: float, ended: str = "") -> dict:
-    """Everything the page and /metrics show, as plain data copied from the scheduler."""
-    cfg = sched.cfg
+def job_view(
+    snapshot: dict,
+    metrics: dict,
+    stalls: dict,
+    stalls_seen: int,
+    cfg,
+    now: float,
+    ended: str = "",
+) -> dict:
+    """Everything the page and /metrics show, as plain data: the membership's ``snapshot``
+    (:meth:`kvstore.membership.Membership.snapshot`), each node's counters by identity, and
+    the stall reports the scheduler keeps."""
     nodes = []
-    for node in sorted(sched.nodes.values(), key=lambda n: (n.role != "worker", n.rank, n.pid)):
-        m = node.metrics or {}
-        if node.failed:
+    by_rank: dict = {}  # worker rank -> its counters
+    for node in sorted(
+        snapshot["nodes"], key=lambda n: (n["role"] != "worker", n["rank"], n["pid"])
+    ):
+        m = metrics.get(node["identity"]) or {}
+        if node["role"] == "worker":
+            by_rank[node["rank"]] = m
+        if node["failed"]:
             state = "failed"
-        elif node.finalized:
+        elif node["finalized"]:
             state = "finished"
-        elif node.role == "worker" and node.rank in sched.joined:
+        elif node["joined"]:
             state = "joined"
-        elif not sched.ready:
+        elif not snapshot["ready"]:
             state = "registered"
         else:
             state = "running"
         current = m.get("cur", "")
-        if not current and any(node.identity in b["ids"] for b in sched.barriers.values()):
+        if not current and node["in_barrier"]:
             current = "barrier"
         nodes.append(
             {
-                "role": node.role,
-                "rank": node.rank,
-                "host": node.host,
-                "port": node.port,
-                "pid": node.pid,
+                "role": node["role"],
+                "rank": node["rank"],
+                "host": node["host"],
+                "port": node["port"],
+                "pid": node["pid"],
                 "state": state,
-                "reason": node.failed,
+                "reason": node["failed"],
                 "current": current if state in ("running", "joined") else "",
                 "current_for": m.get("for", 0.0),
-                "heartbeat_age": now - node.last_seen,
+                "heartbeat_age": node["heartbeat_age"],
                 "metrics": m,
             }
         )
@@ -231,20 +306,20 @@ def job_view(sched, now: float, ended: str = "") -> dict:
         ),
         key=lambda p: -p[3],
     )[:TOP]
-    stalls = [
+    shown = [
         {"what": what, "text": s["text"], "age": s["age"] + (now - s["at"]), "since": s["first"]}
-        for what, s in sched.stalls.items()
-        if _stall_current(sched, s, now)
+        for what, s in stalls.items()
+        if _stall_current(s, by_rank, cfg.stall_report, now)
     ]
-    state = "starting" if not sched.ready else "running"
+    state = "starting" if not snapshot["ready"] else "running"
     if ended:
         state = ended
     store = next((w["metrics"].get("store") for w in workers if w["metrics"].get("store")), "")
     return {
         "time": time.time(),
         "state": state,
-        "failure": sched.failure or next((n["reason"] for n in nodes if n["reason"]), ""),
-        "uptime": now - sched.started,
+        "failure": snapshot["failure"] or next((n["reason"] for n in nodes if n["reason"]), ""),
+        "uptime": snapshot["uptime"],
         "num_worker": cfg.num_worker,
         "num_server": cfg.num_server,
         "store": store,
@@ -253,22 +328,21 @@ def job_view(sched, now: float, ended: str = "") -> dict:
         "keys": [[k, b, r, t] for k, (b, r, t) in top],
         "nkeys": max((w["metrics"].get("nkeys", 0) for w in workers), default=0),
         "parts": [list(p) for p in parts],
-        "stalls": stalls,
-        "stalls_total": sched.stalls_seen,
+        "stalls": shown,
+        "stalls_total": stalls_seen,
         "bytes": sum(w["metrics"].get("bp", 0) + w["metrics"].get("bl", 0) for w in workers),
         "rounds": min((w["metrics"].get("pushes", 0) for w in workers), default=0),
         "metrics": cfg.metrics,
     }
 
 
-def _stall_current(sched, stall: dict, now: float) -> bool:
+def _stall_current(stall: dict, by_rank: dict, every: float, now: float) -> bool:
     """A stall shows until a worker that waited on it completes a call, or until it has gone
     unreported for longer than the servers' report period."""
     for rank, calls in stall["calls"].items():
-        node = sched.workers_by_rank().get(rank)
-        if node is not None and node.metrics and _calls(node.metrics) > calls:
+        m = by_rank.get(rank)
+        if m and _calls(m) > calls:
             return False
-    every = sched.cfg.stall_report
     return not every or now - stall["at"] < 1.5 * every + 5
 
 
@@ -607,7 +681,7 @@ footer {{ margin-top: 1.5em; color: #666; font-size: .9em; }}
 <body>
 {main}
 <script>
-// Refresh the content every 2 s from the same URL (the token, if any, stays in it).
+// Refresh the content every 2 s from the same URL (a token, if any, is in a cookie).
 setInterval(async function () {{
   try {{
     const reply = await fetch(location.href, {{cache: "no-store"}});

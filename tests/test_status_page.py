@@ -3,26 +3,32 @@
 Chromium renders the page (its script included); the test reads the DOM it dumps, keeps a
 screenshot as an artifact (``$KVSTORE_ARTIFACTS`` or the test's tmp dir), then kills a worker
 and loads the page again: that worker shows as failed, and the round it left waiting as a
-stall. Also: the endpoint refuses a request
-from another address without the job's secret.
+stall. Also: the endpoint refuses a request from another address without the page's
+token (derived from the job's secret, never the secret itself), trades a query token for a
+cookie, and logs neither.
 """
 
 from __future__ import annotations
 
+import http.client
+import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from kvstore.status import StatusServer
+from kvstore import status as status_module
+from kvstore.launch.cli import status_page
+from kvstore.status import StatusServer, page_token
 
-from .cluster import free_port, poll_until
+from .cluster import ROOT, free_port, poll_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -121,17 +127,128 @@ class _Cfg:
 
 
 def test_other_hosts_need_the_token():
-    """A non-loopback client gets 403 without the job's secret, 200 with it (as a query
-    token or a bearer header); loopback clients need none."""
+    """A non-loopback client gets 403 without the page's token, 200 with it (as a query
+    token, a bearer header or the cookie); the job's secret itself is no token; loopback
+    clients need none."""
     server = StatusServer(_Cfg())
     try:
         secret = _Cfg.secret.decode()
+        token = page_token(_Cfg.secret)
+        assert token != secret and secret not in token and len(token) == 64
         assert server.allowed("127.0.0.1", {}, {})
         assert server.allowed("::1", {}, {})
         assert not server.allowed("10.1.2.3", {}, {})
         assert not server.allowed("10.1.2.3", {"token": ["wrong"]}, {})
-        assert server.allowed("10.1.2.3", {"token": [secret]}, {})
-        assert server.allowed("10.1.2.3", {}, {"Authorization": f"Bearer {secret}"})
+        assert not server.allowed("10.1.2.3", {"token": [secret]}, {})
+        assert not server.allowed("10.1.2.3", {}, {"Authorization": f"Bearer {secret}"})
+        assert server.allowed("10.1.2.3", {"token": [token]}, {})
+        assert server.allowed("10.1.2.3", {}, {"Authorization": f"Bearer {token}"})
+        assert server.allowed("10.1.2.3", {}, {"Cookie": f"kvstore_token={token}"})
+        assert not server.allowed("10.1.2.3", {}, {"Cookie": f"kvstore_token={secret}"})
+        assert not server.allowed("10.1.2.3", {}, {"Cookie": "kvstore_token=\x00;;=bad"})
         assert fetch(f"http://127.0.0.1:{server.port}/").startswith("<!doctype html>")
     finally:
         server.close()
+
+
+def _get(port: int, path: str, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        reply = conn.getresponse()
+        return reply.status, dict(reply.getheaders()), reply.read()
+    finally:
+        conn.close()
+
+
+def test_query_token_is_traded_for_a_cookie_and_never_logged(monkeypatch, caplog):
+    """``?token=`` is answered once with a redirect to the clean URL that sets an HttpOnly,
+    SameSite=Strict cookie; the cookie and a bearer header then open the page; the secret
+    opens nothing; the request log shows neither the token nor any query."""
+    monkeypatch.setattr(status_module, "_is_loopback", lambda host: False)  # as from afar
+    caplog.set_level(logging.DEBUG, logger="kvstore.status")
+    server = StatusServer(_Cfg())
+    try:
+        secret = _Cfg.secret.decode()
+        token = page_token(_Cfg.secret)
+        code, headers, _ = _get(server.port, f"/?token={token}&x=1")
+        assert code == 303, code
+        assert headers["Location"] == "/?x=1"
+        cookie = headers["Set-Cookie"]
+        assert cookie.startswith(f"kvstore_token={token};"), cookie
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+        assert _get(server.port, "/", {"Cookie": f"kvstore_token={token}"})[0] == 200
+        code, _, body = _get(server.port, "/metrics", {"Authorization": f"Bearer {token}"})
+        assert code in (200, 501), body
+        assert _get(server.port, "/")[0] == 403
+        assert _get(server.port, f"/?token={secret}")[0] == 403
+        assert _get(server.port, "/", {"Authorization": f"Bearer {secret}"})[0] == 403
+        assert _get(server.port, "/", {"Cookie": f"kvstore_token={secret}"})[0] == 403
+        _get(server.port, f"/status.json?token={token}")
+    finally:
+        server.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "GET /" in logged and "303" in logged and "403" in logged, logged
+    assert token not in logged and secret not in logged and "token=" not in logged, logged
+
+
+def test_nothing_at_ps_verbose_2_shows_the_secret_or_the_token(cluster, tmp_path):
+    """A real job at PS_VERBOSE=2 whose page is read with the token (a query, a bearer
+    header), and even with the secret as a query: no process prints either."""
+    port = free_port()
+    c = cluster(1, 2, PS_VERBOSE=2, KVSTORE_STATUS_PORT=port)
+    secret = c.env["KVSTORE_SECRET"]
+    token = page_token(secret.encode())
+    release = tmp_path / "release"
+    workers = c.start_workers("traffic.py", [5, 4096, release])
+    try:
+        for i in range(2):
+            c.wait_for_output(f"worker{i}", "done", 60)
+        for query in (f"?token={token}", f"?token={secret}", ""):
+            _get(port, f"/{query}", {"Authorization": f"Bearer {token}"})
+            _get(port, f"/metrics{query}")
+
+        def logged():  # the request log has caught up with the reads
+            return c.output("scheduler").count("status: 127.0.0.1 GET") >= 6
+
+        assert poll_until(logged, 20), c.output("scheduler")[-3000:]
+    finally:
+        release.touch()
+    assert c.wait(workers, 60) == [0, 0], c.dump()
+    assert c.wait([c.procs["scheduler"], c.procs["server0"]], 30) == [0, 0], c.dump()
+    assert "recv heartbeat" in c.output("scheduler")  # every message logged
+    for name in c.logs:
+        out = c.output(name)
+        assert secret not in out, (name, "the secret")
+        assert token not in out, (name, "the token")
+
+
+def test_status_token_command_prints_the_derived_token(tmp_path):
+    env = {**os.environ, "KVSTORE_SECRET": _Cfg.secret.decode(), "PYTHONPATH": str(ROOT)}
+    env.pop("KVSTORE_SECRET_FILE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore", "status-token"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == page_token(_Cfg.secret)
+    env.pop("KVSTORE_SECRET")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore", "status-token"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "no job secret" in done.stderr, done.stderr
+
+
+def test_launcher_names_the_page_token_not_the_secret():
+    secret = _Cfg.secret.decode()
+    url = status_page(
+        {"KVSTORE_STATUS_ADDR": "10.1.2.3", "KVSTORE_STATUS_PORT": "8080", "KVSTORE_SECRET": secret}
+    )
+    assert page_token(_Cfg.secret) in url and secret not in url, url

@@ -11,6 +11,7 @@ import sys
 
 from .. import timeline
 from ..config import interface_address
+from ..status import page_token
 from . import kubernetes, local, mpi, sge, slurm, ssh, yarn
 from .hostfile import parse_hostfile
 from .job import Proc, Supervisor
@@ -349,5 +350,9 @@ def status_page(env: dict) -> str:
     host = f"[{addr}]" if ":" in addr else addr
     url = f"http://{host}:{port}/"
     if addr not in ("127.0.0.1", "localhost", "::1"):
-        url += " (from another host: ?token=<the job secret, KVSTORE_SECRET>)"
+        secret = env.get("KVSTORE_SECRET", "")
+        if secret:  # the page's own token: it opens the page, never the job
+            url += f" (from another host: add ?token={page_token(secret.encode())} once)"
+        else:
+            url += " (from another host: ?token=$(python -m kvstore status-token) once)"
     return url
