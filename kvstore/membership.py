@@ -503,13 +503,15 @@ class Membership:
         )
         actions: list = [StallSeen(what, b, text)]
         every = self.cfg.stall_report
-        if every and b["age"] >= every and now >= self._round_logs.get(what, 0.0):
+        logged = bool(every and b["age"] >= every and now >= self._round_logs.get(what, 0.0))
+        if logged:
             self._round_logs[what] = now + every
             if len(self._round_logs) > 1000:  # forget the oldest rounds
                 del self._round_logs[next(iter(self._round_logs))]
             actions.append(Log(logging.WARNING, text))
-        # the server reports at the waiting workers' cadence: each report keeps them waiting
-        stall = Message("stall", 0, "scheduler", {"message": text})
+        # the server reports at the waiting workers' cadence: each report keeps them waiting;
+        # the workers log it (a warning) only when the scheduler does
+        stall = Message("stall", 0, "scheduler", {"message": text, "log": logged})
         actions += [Send(workers[rank].identity, stall) for rank in b["waiting"]]
         return actions
 
@@ -540,10 +542,11 @@ class Membership:
                 continue
             wait.next_report = now + self.report_every
             text = self._wait_text(what, wait, absent, now)
-            if now >= wait.next_log:
+            logged = now >= wait.next_log
+            if logged:
                 wait.next_log = now + self._log_every
                 actions.append(Log(logging.WARNING, text))
-            stall = Message("stall", 0, "scheduler", {"message": text})
+            stall = Message("stall", 0, "scheduler", {"message": text, "log": logged})
             for identity in wait.ids:
                 node = self.nodes[identity]
                 if node.role == "worker" and not node.finalized:

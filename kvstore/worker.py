@@ -138,6 +138,7 @@ class DistStore(KVStore):
         self._closed = False
         self._failure: str | None = None
         self._failure_type: type[KVStoreError] = KVStoreError  # raised again on every call
+        self._failure_known = False  # told by the scheduler: it needs no report of it
         self._sockets: list = []
         try:
             book = self._control.wait(f"kvstore.create({kind!r})", ("book",), cfg.start_timeout + 5)
@@ -312,9 +313,13 @@ class DistStore(KVStore):
         if self._failure:
             raise self._failure_type(self._failure)
 
-    def _fail(self, text: str, kind: type[KVStoreError] = KVStoreError) -> None:
+    def _fail(
+        self, text: str, kind: type[KVStoreError] = KVStoreError, known: bool = False
+    ) -> None:
+        """Every later call raises ``text``; at the end the scheduler hears it (unless it was
+        the scheduler's own news), so the other workers learn the cause at once."""
         if self._failure is None:
-            self._failure, self._failure_type = text, kind
+            self._failure, self._failure_type, self._failure_known = text, kind, known
 
     # ---- the one wait loop
     @metrics.traced("wait")
@@ -365,8 +370,10 @@ class DistStore(KVStore):
 
     # ---- control messages: a handler returns True when the call's deadline starts again
     def _on_stall(self, msg: Message, what: str) -> bool:
-        """A peer this call waits for is alive, only slow: say so, and keep waiting."""
-        log.warning("%s: %s", what, msg.body["message"])
+        """A peer this call waits for is alive, only slow: keep waiting (and say so, at the
+        scheduler's KVSTORE_STALL_REPORT cadence)."""
+        level = logging.WARNING if msg.body.get("log", True) else logging.DEBUG
+        log.log(level, "%s: %s", what, msg.body["message"])
         return True
 
     def _on_answer(self, msg: Message, what: str) -> bool:
@@ -377,7 +384,7 @@ class DistStore(KVStore):
         try:
             raise_for(msg, what)
         except KVStoreError as exc:
-            self._fail(str(exc), type(exc))
+            self._fail(str(exc), type(exc), known=True)
             raise
         return False
 
@@ -602,7 +609,8 @@ class DistStore(KVStore):
             return
         self._closed = True
         self._segments.close()
-        self._control.close(finalize=False, failed=reason if self._failure is None else "")
+        known = self._failure is not None and self._failure_known
+        self._control.close(finalize=False, failed="" if known else reason)
         for sock in self._sockets:
             sock.close(linger=0)
         self._ctx.term()
@@ -625,7 +633,9 @@ class DistStore(KVStore):
         self._closed = True
         if hasattr(self, "_segments"):
             self._segments.close()
-        self._control.close(finalize=finalize)
+        failed = self._failure if self._failure and not self._failure_known else ""
+        reason = f"stopped after an error: {failed}"[:400] if failed else ""
+        self._control.close(finalize=finalize and not failed, failed=reason)
         for sock in self._sockets:
             sock.close(linger=0)  # every request was answered, or the job has failed
         self._ctx.term()

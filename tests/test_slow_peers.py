@@ -12,10 +12,6 @@ from .cluster import poll_until
 from .test_failures import RawNode, _register
 
 
-@pytest.mark.xfail(
-    reason="needs the worker's wait loop to honour stall reports in barrier/join (worker split)",
-    strict=False,
-)
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("call", ["barrier", "join"])
 def test_a_rank_busy_longer_than_the_timeout_is_waited_for(cluster, call):
