@@ -135,3 +135,15 @@ def test_encrypted_and_insecure_jobs_compute_the_same_sums(cluster, mode):
     assert all("OK after 3 rounds" in o for o in outs), outs
     if "KVSTORE_INSECURE" in mode:  # said loudly, by every process
         assert "KVSTORE_INSECURE=1" in c.output("scheduler") + c.output("server0")
+
+
+def test_the_secret_is_not_in_a_configs_repr():
+    """A Config that reaches a log or a traceback (``%r``, an exception's locals) must not
+    carry the job's secret."""
+    from kvstore.config import Config
+
+    env = dict(base_env(1, 1), DMLC_ROLE="worker")
+    cfg = Config.from_env(env)
+    assert cfg.secret == env["KVSTORE_SECRET"].encode()
+    for text in (repr(cfg), str(cfg), f"{cfg!r}"):
+        assert env["KVSTORE_SECRET"] not in text and "secret=" not in text, text
