@@ -98,6 +98,10 @@ class Server:
         self._shm_of: dict[tuple, shm.Segment] = {}  # (rank, key) -> its segment
         self._names = [f"worker-{r}" for r in range(self.num_workers)]
         self._stall_reports: dict[str, tuple] = {}  # key shown -> (round, next report, key)
+        # Default mode (kvstore.auth): a connection is served once it proves a rank's token.
+        self._challenges: dict[str, str] = {}  # connection (its User-Id) -> open challenge
+        self._proved: dict[int, str] = {}  # rank -> the connection that proved its token
+        self._connection = ("", "")  # (User-Id, peer address) of the message in hand
         self.handlers = {
             "init": self._on_init,
             "push": self._on_push,
@@ -106,6 +110,7 @@ class Server:
             "optimizer": self._on_optimizer,
             "command": self._on_command,
             "hello": self._on_hello,
+            "auth": self._on_auth,
         }
         self.control_handlers = {
             "worker_done": self._on_worker_done,
@@ -318,20 +323,23 @@ class Server:
                 "%s: %s %s from %s", self.name, msg.kind, msg.body.get("keys", ""), msg.sender
             )
         try:
-            rank = self._worker_rank(identity, frames[0])
+            rank = self._worker_rank(identity, frames[0], msg.kind)
             handler = self.handlers.get(msg.kind)
             if handler is None:
                 raise ValueError(f"unexpected message kind {msg.kind!r} from {msg.sender}")
             handler(identity, rank, msg)
+        except auth.Refused as exc:  # a stranger's: logged once per host (Gate.refuse)
+            self._send(identity, error_reply(msg, self.name, f"{self.name}: {exc}"))
         except (ValueError, TypeError, KeyError) as exc:
             self._error(identity, msg, f"{msg.kind} refused: {exc}")
         except Exception as exc:  # a server never dies of one bad request
             log.exception("%s: %s failed", self.name, msg.kind)
             self._error(identity, msg, f"{msg.kind} failed: {type(exc).__name__}: {exc}")
 
-    def _worker_rank(self, identity: bytes, frame) -> int:
+    def _worker_rank(self, identity: bytes, frame, kind: str) -> int:
         """The rank a request comes from: its routing identity, ``worker-<rank>`` exactly,
-        and (authenticated) the rank whose credential opened the connection."""
+        and (authenticated) the rank whose credential opened the connection (encrypted) or
+        that the connection proved (by default: only ``hello`` and ``auth`` come before)."""
         rank = self._ranks.get(identity)
         if rank is None:
             match = _WORKER_ID.fullmatch(identity)
@@ -341,11 +349,23 @@ class Server:
                     "may talk to a server"
                 )
             rank = self._ranks[identity] = int(match[1])
-        if self.gate is not None and frame.get("User-Id") != self._names[rank]:
-            raise ValueError(
-                f"{identity.decode()} refused: the connection authenticated as "
-                f"{frame.get('User-Id')!r}"
+        if self.gate is None:
+            return rank
+        user = frame.get("User-Id")
+        if self.cfg.encrypt:
+            if user != self._names[rank]:
+                raise ValueError(
+                    f"{identity.decode()} refused: the connection authenticated as {user!r}"
+                )
+            return rank
+        self._connection = (user, frame.get("Peer-Address"))
+        if kind not in ("hello", "auth") and self._proved.get(rank) != user:
+            text = (
+                f"{kind} from {identity.decode()} refused: this connection has not proved "
+                f"{identity.decode()}'s credential (hello, then auth; see kvstore.auth)"
             )
+            self.gate.refuse(self._connection[1].encode(), text)
+            raise auth.Refused(text)
         return rank
 
     def _keys(self, msg: Message) -> list[tuple]:
@@ -429,9 +449,32 @@ class Server:
         return found
 
     def _on_hello(self, identity, rank, msg) -> None:
-        """A worker asks whether it shares this host's memory (same boot id)."""
+        """A worker asks whether it shares this host's memory (same boot id); by default the
+        reply carries the challenge this connection must answer (``auth``)."""
         same = self.cfg.shm and shm.available() and msg.body["host"] == shm.host_id()
-        self._send(identity, Message("ack", msg.id, self.name, {"shm": bool(same)}))
+        body = {"shm": bool(same)}
+        if self.gate is not None and not self.cfg.encrypt:
+            connection = self._connection[0]
+            self._challenges.pop(connection, None)
+            while len(self._challenges) >= 4 * self.num_workers + 1000:  # strangers' hellos
+                self._challenges.pop(next(iter(self._challenges)))
+            body["challenge"] = self._challenges[connection] = auth.challenge()
+        self._send(identity, Message("ack", msg.id, self.name, body))
+
+    def _on_auth(self, identity, rank, msg) -> None:
+        """A worker proves its token on this connection: an HMAC of the connection's
+        challenge (kvstore.auth). The proof is good once, for this connection only."""
+        if self.gate is None or self.cfg.encrypt:
+            raise ValueError("this job's connections prove nothing by auth (encrypted or insecure)")
+        connection, peer = self._connection
+        challenge = self._challenges.pop(connection, None)
+        token = self.gate.tokens[rank] if self.gate.tokens else ""
+        wrong = auth.check_proof(token, challenge, rank, msg.body.get("proof"))
+        if wrong:
+            self.gate.refuse(peer.encode(), f"{identity.decode()}: {wrong}")
+            raise auth.Refused(f"auth refused: {wrong}")
+        self._proved[rank] = connection
+        self._send(identity, Message("ack", msg.id, self.name))
 
     @metrics.served
     def _on_push(self, identity, rank, msg) -> None:

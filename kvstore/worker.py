@@ -142,7 +142,7 @@ class DistStore(KVStore):
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
         self._segments = shm.WorkerSegments(self._rank)
-        self._shm_servers = self._hello() if cfg.shm and shm.available() else set()
+        self._shm_servers = self._hello()
         log.info(
             "worker %d of %d connected to %d servers",
             self._rank,
@@ -154,11 +154,22 @@ class DistStore(KVStore):
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _hello(self) -> set:
-        """The servers on this host, which take big parts through shared memory."""
+        """The servers on this host, which take big parts through shared memory. By default
+        each server's reply carries a challenge, and this worker proves its token on that
+        connection (``auth``) before any other request (see :mod:`kvstore.auth`)."""
         local: set = set()
+        proofs: dict = {}
+        use_shm = self.cfg.shm and shm.available()
 
         def answer(server):
-            return lambda msg: msg.body.get("shm") is True and local.add(server)
+            def on_reply(msg):
+                if use_shm and msg.body.get("shm") is True:
+                    local.add(server)
+                body = auth.answer(msg.body, self._cred, self._rank)
+                if body is not None:
+                    proofs[server] = body
+
+            return on_reply
 
         host = shm.host_id()
         ids = [
@@ -166,6 +177,8 @@ class DistStore(KVStore):
             for s in range(len(self._servers))
         ]
         self._wait("kvstore.create (hello)", ids)
+        ids = [self._send(s, "auth", body) for s, body in proofs.items()]
+        self._wait("kvstore.create (auth)", ids)
         return local
 
     @property
