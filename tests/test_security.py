@@ -4,8 +4,10 @@ have a message acted on; each worker acts only as its own rank."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -15,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import auth
+from kvstore import worker as worker_module
+from kvstore.config import Config
 from kvstore.protocol import Message, decode, encode
+from kvstore.worker import DistStore
 
 from .cluster import base_env
 
@@ -216,3 +221,134 @@ def test_the_secret_is_not_in_a_configs_repr():
     assert cfg.secret == env["KVSTORE_SECRET"].encode()
     for text in (repr(cfg), str(cfg), f"{cfg!r}"):
         assert env["KVSTORE_SECRET"] not in text and "secret=" not in text, text
+
+
+class Relay:
+    """A TCP forwarder on 127.0.0.1 in front of ``upstream``, keeping every byte its clients
+    send: what a sniffer on the path sees."""
+
+    def __init__(self, upstream: tuple):
+        self.upstream = upstream
+        self.sent = bytearray()
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.open += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, keep):
+        try:
+            while data := src.recv(65536):
+                if keep:
+                    with self.lock:
+                        self.sent += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        for s in self.open:
+            s.close()
+
+
+def _worker_through(c, relay_port: int, monkeypatch) -> DistStore:
+    """This test process as the job's one worker, reaching its server through a relay."""
+    real_wait = worker_module.Control.wait
+
+    def wait(self, *args, **kw):
+        msg = real_wait(self, *args, **kw)
+        if msg.kind == "book":
+            msg.body["servers"] = [["127.0.0.1", relay_port]]
+        return msg
+
+    monkeypatch.setattr(worker_module.Control, "wait", wait)
+    return DistStore("dist_sync", Config.from_env(dict(c.env, DMLC_ROLE="worker")))
+
+
+def _dealer(ctx, port: int, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.identity = identity
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def _ask(sock, kind: str, body: dict, patience: float = 2.0):
+    sock.send_multipart(encode(Message(kind, 7, "x", body)))
+    return decode(sock.recv_multipart()) if sock.poll(patience * 1000) else None
+
+
+@pytest.mark.timeout(120)
+def test_the_token_never_crosses_the_wire_and_a_sniffed_proof_is_worth_nothing(
+    cluster, monkeypatch
+):
+    c = cluster(1, 1, KVSTORE_SHM="0", PS_VERBOSE=1)
+    c.wait_for_output("scheduler", "registered server at", 30)  # ready once we register
+    port = int(re.search(r"registered server at 127\.0\.0\.1:(\d+)", c.output("scheduler"))[1])
+    relay = Relay(("127.0.0.1", port))
+    kv = _worker_through(c, relay.port, monkeypatch)
+    ctx = zmq.Context()
+    try:
+        kv.init("w", np.zeros(4, np.float32))
+        kv.push("w", np.ones(4, np.float32))
+        out = np.empty(4, np.float32)
+        kv.pull("w", out=out)
+        assert (out == 1).all()
+        token = kv._cred.public
+        with relay.lock:
+            wire = bytes(relay.sent)
+        # What a sniffer saw: the proof, never the token (with PLAIN it was in every handshake)
+        assert token.encode() not in wire
+        assert b"auth" in wire and b"worker-0" in wire and bytes.fromhex(token) not in wire
+        sniffed = re.search(rb"proof\xd9\x40([0-9a-f]{64})", wire)[1].decode()
+
+        # The worker's own connection goes; a fresh one takes its identity and replays
+        kv._sockets[0].close(linger=0)
+        replay = _dealer(ctx, port, b"worker-0")
+        deadline = time.monotonic() + 30
+        while (hello := _ask(replay, "hello", {"host": ""})) is None:  # the identity frees
+            assert time.monotonic() < deadline, "the server never answered the replayer"
+            replay.close()
+            replay = _dealer(ctx, port, b"worker-0")
+        assert isinstance(hello.body.get("challenge"), str) and len(hello.body["challenge"]) == 32
+        refused = _ask(replay, "auth", {"proof": sniffed})
+        assert refused.kind == "error" and "wrong proof for worker-0" in refused.body["message"]
+        pull = _ask(replay, "pull", {"keys": [["w", 0]]})
+        assert pull.kind == "error" and "has not proved worker-0" in pull.body["message"]
+        # the proof that the token gives for this connection's own challenge is accepted
+        ok = _ask(replay, "hello", {"host": ""})
+        proof = auth.proof(token, ok.body["challenge"], 0)
+        assert _ask(replay, "auth", {"proof": proof}).kind == "ack"
+        assert _ask(replay, "pull", {"keys": [["w", 0]]}).kind == "data"
+        replay.close()
+
+        # a connection that skips auth, under a free identity: refused, nothing acted on
+        skipper = _dealer(ctx, port, b"worker-0")
+        deadline = time.monotonic() + 30
+        while (got := _ask(skipper, "pull", {"keys": [["w", 0]]})) is None:
+            assert time.monotonic() < deadline, "the server never answered"
+            skipper.close()
+            skipper = _dealer(ctx, port, b"worker-0")
+        assert got.kind == "error" and "has not proved worker-0" in got.body["message"]
+        skipper.close()
+        assert "wrong proof for worker-0" in c.output("server0")
+    finally:
+        ctx.term()
+        kv._shutdown(finalize=True)
+        relay.close()
