@@ -41,6 +41,16 @@ log = logging.getLogger("kvstore.server")
 
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
 
+# A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
+# as zeros, so what every worker pulls is r's bytes whatever the others push (kvstore.torch's
+# broadcast_object unpickles it).
+_ROOT_ONLY = re.compile(r"kvt\.root(0|[1-9][0-9]{0,8})\.")
+
+
+def root_only(root: int) -> str:
+    """The prefix of a key only ``root``'s pushes count for."""
+    return f"kvt.root{root}."
+
 
 @dataclass(eq=False)
 class Request:
@@ -415,6 +425,10 @@ class Server:
                     f"expected {packed_size(codec.kind, stored.size)}"
                 )
             grads.append((key, codec.decode(array, header, stored.size, stored.dtype.type)))
+        for i, (key, grad) in enumerate(grads):
+            root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
+            if root is not None and int(root[1]) != rank:  # only the root's bytes count
+                grads[i] = (key, np.zeros_like(grad))
         return grads
 
     def _shared_pushes(self, msg: Message, keys: list, rank: int) -> dict:

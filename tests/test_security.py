@@ -352,3 +352,16 @@ def test_the_token_never_crosses_the_wire_and_a_sniffed_proof_is_worth_nothing(
         ctx.term()
         kv._shutdown(finalize=True)
         relay.close()
+
+
+@pytest.mark.timeout(180)
+def test_broadcast_object_unpickles_the_roots_bytes_alone(cluster):
+    """A non-root that pushes into broadcast_object's summed keys what would turn the root's
+    pickle into its own changes nothing: the servers count its pushes to the root's keys as
+    zeros, and every worker gets exactly the root's object."""
+    pytest.importorskip("torch")
+    c = cluster(1, 3)
+    outs = c.run_workers("torch_object_garbage.py", timeout=150)
+    assert not any("PWNED" in o for o in outs), outs
+    for r, out in enumerate(outs):
+        assert f"rank {r} got {{'from': 0, 'list': [0, 0, 0], 'pad': '{'.' * 100}'}}" in out, outs
