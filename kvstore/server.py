@@ -111,7 +111,7 @@ class Server:
         # Default mode (kvstore.auth): a connection is served once it proves a rank's token.
         self._challenges: dict[str, str] = {}  # connection (its User-Id) -> open challenge
         self._proved: dict[int, str] = {}  # rank -> the connection that proved its token
-        self._connection = ("", "")  # (User-Id, peer address) of the message in hand
+        self._connection: tuple = ("", None)  # (User-Id, first frame) of the message in hand
         self.handlers = {
             "init": self._on_init,
             "push": self._on_push,
@@ -368,13 +368,13 @@ class Server:
                     f"{identity.decode()} refused: the connection authenticated as {user!r}"
                 )
             return rank
-        self._connection = (user, frame.get("Peer-Address"))
+        self._connection = (user, frame)
         if kind not in ("hello", "auth") and self._proved.get(rank) != user:
             text = (
                 f"{kind} from {identity.decode()} refused: this connection has not proved "
                 f"{identity.decode()}'s credential (hello, then auth; see kvstore.auth)"
             )
-            self.gate.refuse(self._connection[1].encode(), text)
+            self.gate.refuse(_peer_of(frame), text)
             raise auth.Refused(text)
         return rank
 
@@ -480,12 +480,12 @@ class Server:
         challenge (kvstore.auth). The proof is good once, for this connection only."""
         if self.gate is None or self.cfg.encrypt:
             raise ValueError("this job's connections prove nothing by auth (encrypted or insecure)")
-        connection, peer = self._connection
+        connection, frame = self._connection
         challenge = self._challenges.pop(connection, None)
         token = self.gate.tokens[rank] if self.gate.tokens else ""
         wrong = auth.check_proof(token, challenge, rank, msg.body.get("proof"))
         if wrong:
-            self.gate.refuse(peer.encode(), f"{identity.decode()}: {wrong}")
+            self.gate.refuse(_peer_of(frame), f"{identity.decode()}: {wrong}")
             raise auth.Refused(f"auth refused: {wrong}")
         self._proved[rank] = connection
         self._send(identity, Message("ack", msg.id, self.name))
@@ -526,6 +526,14 @@ class Server:
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")
+
+
+def _peer_of(frame) -> bytes:
+    """The address of the peer a message came from (``host:port``), for the refusal log."""
+    try:
+        return frame.get("Peer-Address").encode()
+    except (zmq.ZMQError, AttributeError):
+        return b"?"
 
 
 def _show(key) -> str:
