@@ -7,16 +7,22 @@ every connection before a single message of it is read.
   with the workers' credentials, barriers, heartbeats).
 - **Worker to server.** At registration each worker makes a fresh credential and sends it over
   that encrypted connection; the scheduler's address book gives the servers every worker's.
-  By default it is a random token checked with ZeroMQ's PLAIN mechanism (the data itself is
-  not encrypted: a peer must know the token of the very rank it claims). With
-  ``KVSTORE_ENCRYPT=1`` it is a CURVE key pair (the servers' public keys are in the workers'
-  book) and the data is encrypted as well. Either way the server's gate tags the connection
-  with the rank the credential belongs to (the ZeroMQ ``User-Id`` of every message), and the
-  server serves a request only when its routing identity names that same rank.
-- ``KVSTORE_INSECURE=1``: no mechanism, no gate; anyone who reaches a port can join.
+  By default it is a random token that never crosses the network: the data connection has no
+  ZeroMQ mechanism (NULL), the gate names each connection (``conn-<n>``, the ZeroMQ
+  ``User-Id`` of its every message), and the worker proves its token on each connection by
+  answering a fresh challenge: ``hello`` is answered with a random ``challenge``, and ``auth``
+  carries :func:`proof`, an HMAC of that challenge and the rank under the token. A sniffer
+  learns one proof, good for one connection that is already proved; the data itself is not
+  encrypted. With ``KVSTORE_ENCRYPT=1`` the credential is a CURVE key pair (the servers'
+  public keys are in the workers' book), the gate tags the connection with the rank the key
+  belongs to, and the data is encrypted as well. Either way a server serves a request only
+  when its routing identity names the rank the connection proved.
+- ``KVSTORE_INSECURE=1``: no mechanism, no gate, no challenge; anyone who reaches a port can
+  join.
 
 The gate answers ZAP requests (ZeroMQ RFC 27) from its owner's poll loop; :func:`decide` is
-the decision alone, without sockets.
+the decision alone, without sockets, and :func:`check_proof` the server's check of an
+``auth``.
 
 >>> keys = JobKeys.from_secret(b"0123456789abcdef0123")
 >>> len(keys.scheduler_public), keys == JobKeys.from_secret(b"0123456789abcdef0123")
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import secrets
@@ -108,8 +115,7 @@ def server_socket(sock: zmq.Socket, cfg: Config, own: Credential) -> None:
         sock.curve_server = True
         sock.curve_secretkey = own.secret
         sock.curve_publickey = own.public.encode()
-    else:
-        sock.plain_server = True
+    # else NULL: with a ZAP domain the gate still sees (and names) every connection
     sock.zap_domain = DOMAIN.encode()
 
 
@@ -118,21 +124,72 @@ def worker_socket(
 ) -> None:
     if cfg.insecure:
         return
-    if cfg.encrypt:
+    if cfg.encrypt:  # by default NULL: the token is proved by answer(), never sent
         sock.curve_serverkey = server_public.encode()
         sock.curve_publickey = own.public.encode()
         sock.curve_secretkey = own.secret
-    else:
-        sock.plain_username = f"worker-{rank}".encode()
-        sock.plain_password = own.public.encode()
+
+
+# ---- the challenge on a default-mode data connection
+class Refused(ValueError):
+    """A request refused for want of a proof: said to the peer, logged once per host."""
+
+
+_PROOF_CONTEXT = b"kvstore data connection proof v1\0"
+
+
+def challenge() -> str:
+    """A server's fresh challenge for one connection: 32 hex characters."""
+    return secrets.token_hex(16)
+
+
+def proof(token: str, challenge: str, rank: int) -> str:
+    """HMAC-SHA256 under a worker's token of one connection's challenge and the rank it
+    claims, hex: it shows the token without revealing it, and is good for that connection
+    and that rank only.
+
+    >>> len(proof("tok", "00" * 16, 3)), proof("tok", "00" * 16, 3) == proof("tok", "00" * 16, 4)
+    (64, False)
+    """
+    message = _PROOF_CONTEXT + challenge.encode() + b"\0" + f"worker-{rank}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def check_proof(token: str, challenge: str | None, rank: int, given) -> str:
+    """Why ``given`` does not prove ``token`` for this connection's ``challenge`` and
+    ``rank``, or ``""`` when it does.
+
+    >>> check_proof("tok", "ab", 0, proof("tok", "ab", 0)), check_proof("tok", None, 0, "x")[:9]
+    ('', 'auth befo')
+    """
+    if challenge is None:
+        return "auth before hello: no challenge is open on this connection"
+    if not isinstance(given, str) or len(given) != 64 or not given.isascii():
+        return "auth needs body {'proof': 64 hex characters}"
+    if not token or not hmac.compare_digest(proof(token, challenge, rank), given):
+        return (
+            f"wrong proof for worker-{rank}: not that rank's credential, or a proof replayed "
+            "from another connection"
+        )
+    return ""
+
+
+def answer(hello_reply: dict, own: Credential, rank: int) -> dict | None:
+    """A worker's ``auth`` body for a server's reply to ``hello``; None when the server asks
+    for no proof (encrypted or insecure jobs)."""
+    issued = hello_reply.get("challenge")
+    if not isinstance(issued, str):
+        return None
+    return {"proof": proof(own.public, issued, rank)}
 
 
 # ---- the gate
-def decide(request: list[bytes], allowed: dict) -> tuple[bytes, str, str]:
+def decide(request: list[bytes], allowed: dict, serial: int = 0) -> tuple[bytes, str, str]:
     """``(status, reason, user id)`` for a ZAP request's frames (after the envelope).
 
-    ``allowed`` maps ``("CURVE", public key bytes)`` or ``("PLAIN", username)`` to
-    ``(user id, password or None)``."""
+    ``allowed`` maps ``("CURVE", public key bytes)`` to ``(user id, None)``; with an entry
+    ``("NULL",)``, a NULL connection is let in and named ``conn-<serial>``: the caller gives
+    each connection its own ``serial``, and the connection proves itself afterwards."""
     if len(request) < 6 or request[0] != b"1.0":
         return b"400", "malformed ZAP request", ""
     domain, mechanism, creds = request[2], request[5], request[6:]
@@ -143,11 +200,8 @@ def decide(request: list[bytes], allowed: dict) -> tuple[bytes, str, str]:
         if entry is not None:
             return b"200", "OK", entry[0]
         return b"400", "unknown CURVE key (not this job's KVSTORE_SECRET)", ""
-    if mechanism == b"PLAIN" and len(creds) == 2:
-        entry = allowed.get(("PLAIN", bytes(creds[0])))
-        if entry is not None and hmac.compare_digest(entry[1], bytes(creds[1])):
-            return b"200", "OK", entry[0]
-        return b"400", f"wrong credential for {bytes(creds[0])[:40]!r}", ""
+    if mechanism == b"NULL" and not creds and ("NULL",) in allowed:
+        return b"200", "OK", f"conn-{serial}"
     return b"400", f"mechanism {mechanism[:10]!r} not allowed", ""
 
 
@@ -160,6 +214,8 @@ class Gate:
         self.sock.linger = 0
         self.sock.bind(ZAP_ENDPOINT)
         self.allowed: dict = {}
+        self.tokens: list[str] = []  # worker r's token (default mode, a server's gate)
+        self._serials = itertools.count(1)  # names NULL connections: conn-1, conn-2, ...
         self.refused = 0
         self._told: set[bytes] = set()  # addresses already logged
 
@@ -169,13 +225,14 @@ class Gate:
         self.allowed[("CURVE", z85.decode(public))] = ("node", None)
 
     def allow_workers(self, cfg: Config, credentials: list[str]) -> None:
-        """Worker ``r`` with ``credentials[r]`` only (a server's gate)."""
+        """Worker ``r`` with ``credentials[r]`` only (a server's gate): its CURVE key, or (by
+        default) any connection, which the server serves once it proves ``r``'s token."""
+        if not cfg.encrypt:
+            self.tokens = list(credentials)
+            self.allowed[("NULL",)] = ("conn", None)
+            return
         for rank, public in enumerate(credentials):
-            user = f"worker-{rank}"
-            if cfg.encrypt:
-                self.allowed[("CURVE", z85.decode(public.encode()))] = (user, None)
-            else:
-                self.allowed[("PLAIN", user.encode())] = (user, public.encode())
+            self.allowed[("CURVE", z85.decode(public.encode()))] = (f"worker-{rank}", None)
 
     def watch(self, sock: zmq.Socket) -> zmq.Socket:
         """Log the connections to ``sock`` that fail before the gate sees them (no key, or a
@@ -202,12 +259,12 @@ class Gate:
         elif kind == zmq.EVENT_DISCONNECTED:
             address = self._addresses.pop(value, "?")
             if self._failed:
-                self._refused(address.encode(), self._failed)
+                self.refuse(address.encode(), self._failed)
                 self._failed = ""
         elif kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the gate itself logged those
             self._failed = "the security handshake failed (no key, or another job's key)"
 
-    def _refused(self, address: bytes, reason: str) -> None:
+    def refuse(self, address: bytes, reason: str) -> None:
         """Log a refusal, once per host (a refused peer's ZeroMQ keeps reconnecting)."""
         self.refused += 1
         host = address.rsplit(b":", 1)[0]
@@ -224,11 +281,11 @@ class Gate:
     def handle(self) -> None:
         """Answer one ZAP request (call when :attr:`sock` is readable)."""
         request = self.sock.recv_multipart()
-        status, reason, user = decide(request, self.allowed)
+        status, reason, user = decide(request, self.allowed, next(self._serials))
         request_id = request[1] if len(request) > 1 else b""
         self.sock.send_multipart([b"1.0", request_id, status, reason.encode(), user.encode(), b""])
         if status != b"200":
-            self._refused(request[3] if len(request) > 3 else b"?", reason)
+            self.refuse(request[3] if len(request) > 3 else b"?", reason)
 
     def close(self) -> None:
         if getattr(self, "monitor", None) is not None:

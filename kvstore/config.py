@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
@@ -44,7 +44,9 @@ class Config:
     bigarray_bound: int = 1_000_000
     server_port: int = 0
     rank_hint: int = -1
-    secret: bytes = b""  # the job's secret; empty only with insecure
+    # the job's secret; empty only with insecure. Out of the repr: a Config that reaches a log
+    # or a traceback must not carry it
+    secret: bytes = field(default=b"", repr=False)
     insecure: bool = False  # KVSTORE_INSECURE=1: no authentication, no encryption
     encrypt: bool = False  # KVSTORE_ENCRYPT=1: CURVE on the data connections too
     shm: bool = True  # KVSTORE_SHM=0: big parts go through TCP even to a server on this host

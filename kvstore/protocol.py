@@ -78,6 +78,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "optimizer": {"spec": (dict,)},
     "command": {"name": (str,)},
     "hello": {"host": (str,)},
+    "auth": {"proof": (str,)},  # the proof of a hello's challenge (kvstore.auth)
     # both
     "ack": {},
     "error": {"message": (str,)},

@@ -41,6 +41,16 @@ log = logging.getLogger("kvstore.server")
 
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
 
+# A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
+# as zeros, so what every worker pulls is r's bytes whatever the others push (kvstore.torch's
+# broadcast_object unpickles it).
+_ROOT_ONLY = re.compile(r"kvt\.root(0|[1-9][0-9]{0,8})\.")
+
+
+def root_only(root: int) -> str:
+    """The prefix of a key only ``root``'s pushes count for."""
+    return f"kvt.root{root}."
+
 
 @dataclass(eq=False)
 class Request:
@@ -98,6 +108,10 @@ class Server:
         self._shm_of: dict[tuple, shm.Segment] = {}  # (rank, key) -> its segment
         self._names = [f"worker-{r}" for r in range(self.num_workers)]
         self._stall_reports: dict[str, tuple] = {}  # key shown -> (round, next report, key)
+        # Default mode (kvstore.auth): a connection is served once it proves a rank's token.
+        self._challenges: dict[str, str] = {}  # connection (its User-Id) -> open challenge
+        self._proved: dict[int, str] = {}  # rank -> the connection that proved its token
+        self._connection: tuple = ("", None)  # (User-Id, first frame) of the message in hand
         self.handlers = {
             "init": self._on_init,
             "push": self._on_push,
@@ -106,6 +120,7 @@ class Server:
             "optimizer": self._on_optimizer,
             "command": self._on_command,
             "hello": self._on_hello,
+            "auth": self._on_auth,
         }
         self.control_handlers = {
             "worker_done": self._on_worker_done,
@@ -327,20 +342,23 @@ class Server:
                 "%s: %s %s from %s", self.name, msg.kind, msg.body.get("keys", ""), msg.sender
             )
         try:
-            rank = self._worker_rank(identity, frames[0])
+            rank = self._worker_rank(identity, frames[0], msg.kind)
             handler = self.handlers.get(msg.kind)
             if handler is None:
                 raise ValueError(f"unexpected message kind {msg.kind!r} from {msg.sender}")
             handler(identity, rank, msg)
+        except auth.Refused as exc:  # a stranger's: logged once per host (Gate.refuse)
+            self._send(identity, error_reply(msg, self.name, f"{self.name}: {exc}"))
         except (ValueError, TypeError, KeyError) as exc:
             self._error(identity, msg, f"{msg.kind} refused: {exc}")
         except Exception as exc:  # a server never dies of one bad request
             log.exception("%s: %s failed", self.name, msg.kind)
             self._error(identity, msg, f"{msg.kind} failed: {type(exc).__name__}: {exc}")
 
-    def _worker_rank(self, identity: bytes, frame) -> int:
+    def _worker_rank(self, identity: bytes, frame, kind: str) -> int:
         """The rank a request comes from: its routing identity, ``worker-<rank>`` exactly,
-        and (authenticated) the rank whose credential opened the connection."""
+        and (authenticated) the rank whose credential opened the connection (encrypted) or
+        that the connection proved (by default: only ``hello`` and ``auth`` come before)."""
         rank = self._ranks.get(identity)
         if rank is None:
             match = _WORKER_ID.fullmatch(identity)
@@ -350,11 +368,23 @@ class Server:
                     "may talk to a server"
                 )
             rank = self._ranks[identity] = int(match[1])
-        if self.gate is not None and frame.get("User-Id") != self._names[rank]:
-            raise ValueError(
-                f"{identity.decode()} refused: the connection authenticated as "
-                f"{frame.get('User-Id')!r}"
+        if self.gate is None:
+            return rank
+        user = frame.get("User-Id")
+        if self.cfg.encrypt:
+            if user != self._names[rank]:
+                raise ValueError(
+                    f"{identity.decode()} refused: the connection authenticated as {user!r}"
+                )
+            return rank
+        self._connection = (user, frame)
+        if kind not in ("hello", "auth") and self._proved.get(rank) != user:
+            text = (
+                f"{kind} from {identity.decode()} refused: this connection has not proved "
+                f"{identity.decode()}'s credential (hello, then auth; see kvstore.auth)"
             )
+            self.gate.refuse(_peer_of(frame), text)
+            raise auth.Refused(text)
         return rank
 
     def _keys(self, msg: Message) -> list[tuple]:
@@ -404,6 +434,10 @@ class Server:
                     f"expected {packed_size(codec.kind, stored.size)}"
                 )
             grads.append((key, codec.decode(array, header, stored.size, stored.dtype.type)))
+        for i, (key, grad) in enumerate(grads):
+            root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
+            if root is not None and int(root[1]) != rank:  # only the root's bytes count
+                grads[i] = (key, np.zeros_like(grad))
         return grads
 
     def _shared_pushes(self, msg: Message, keys: list, rank: int) -> dict:
@@ -445,7 +479,8 @@ class Server:
     def _on_hello(self, identity, rank, msg) -> None:
         """A worker asks whether it shares this process's memory: yes only when this server
         reads the nonce in the worker's probe segment (same boot id is not enough: pods on
-        one node share it, not their /dev/shm)."""
+        one node share it, not their /dev/shm). By default the reply also carries the
+        challenge this connection must answer (``auth``)."""
         body = msg.body
         same = (
             self.cfg.shm
@@ -453,7 +488,29 @@ class Server:
             and body["host"] == shm.host_id()
             and shm.prove(body.get("probe"), rank, body.get("nonce"))
         )
-        self._send(identity, Message("ack", msg.id, self.name, {"shm": bool(same)}))
+        reply = {"shm": bool(same)}
+        if self.gate is not None and not self.cfg.encrypt:
+            connection = self._connection[0]
+            self._challenges.pop(connection, None)
+            while len(self._challenges) >= 4 * self.num_workers + 1000:  # strangers' hellos
+                self._challenges.pop(next(iter(self._challenges)))
+            reply["challenge"] = self._challenges[connection] = auth.challenge()
+        self._send(identity, Message("ack", msg.id, self.name, reply))
+
+    def _on_auth(self, identity, rank, msg) -> None:
+        """A worker proves its token on this connection: an HMAC of the connection's
+        challenge (kvstore.auth). The proof is good once, for this connection only."""
+        if self.gate is None or self.cfg.encrypt:
+            raise ValueError("this job's connections prove nothing by auth (encrypted or insecure)")
+        connection, frame = self._connection
+        challenge = self._challenges.pop(connection, None)
+        token = self.gate.tokens[rank] if self.gate.tokens else ""
+        wrong = auth.check_proof(token, challenge, rank, msg.body.get("proof"))
+        if wrong:
+            self.gate.refuse(_peer_of(frame), f"{identity.decode()}: {wrong}")
+            raise auth.Refused(f"auth refused: {wrong}")
+        self._proved[rank] = connection
+        self._send(identity, Message("ack", msg.id, self.name))
 
     @metrics.served
     def _on_push(self, identity, rank, msg) -> None:
@@ -491,6 +548,14 @@ class Server:
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")
+
+
+def _peer_of(frame) -> bytes:
+    """The address of the peer a message came from (``host:port``), for the refusal log."""
+    try:
+        return frame.get("Peer-Address").encode()
+    except (zmq.ZMQError, AttributeError):
+        return b"?"
 
 
 def _show(key) -> str:

@@ -67,6 +67,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from .server import root_only
 from .store import KVStore
 
 __all__ = [
@@ -591,15 +592,18 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
     _check_root(root_rank)
     mine = rank() == root_rank
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
+    # The bytes every worker unpickles are the root's alone: on keys under root_only(root) the
+    # servers count any other rank's push as zeros, so no other worker can change them.
+    root = root_only(root_rank)
     length = np.array([len(data)], np.int64)
-    _sum([_key("object.length", name, length.dtype, length.shape)], [length])
+    _sum([root + _key("object.length", name, length.dtype, length.shape)], [length])
     n = int(length[0])
     # Sizes rounded up to a power of two: few keys however many sizes are sent.
     capacity = 1 << max(6, (n - 1).bit_length())
     payload = np.zeros(capacity, np.uint8)
     if mine:
         payload[:n] = np.frombuffer(data, np.uint8)
-    _sum([_key("object", name, payload.dtype, payload.shape)], [payload])
+    _sum([root + _key("object", name, payload.dtype, payload.shape)], [payload])
     return obj if mine else pickle.loads(payload[:n].tobytes())
 
 

@@ -174,7 +174,7 @@ class DistStore(KVStore):
         self._segments = shm.WorkerSegments(self._rank)
         self._shm_last: dict = {}  # (key, part) -> the last push that used its segment
         self._no_segment: set = set()  # parts whose segment /dev/shm had no room for
-        self._planner.set_shm_servers(self._hello() if cfg.shm and shm.available() else ())
+        self._planner.set_shm_servers(self._hello())
         log.info(
             "worker %d of %d connected to %d servers",
             self._rank,
@@ -187,24 +187,38 @@ class DistStore(KVStore):
 
     def _hello(self) -> set:
         """The servers that share this process's memory: each proves it by reading a probe
-        segment this worker made (:func:`kvstore.shm.prove`)."""
+        segment this worker made (:func:`kvstore.shm.prove`). By default each server's reply
+        also carries a challenge, and this worker proves its token on that connection
+        (``auth``) before any other request (see :mod:`kvstore.auth`)."""
         local: set = set()
+        proofs: dict = {}
+        use_shm = self.cfg.shm and shm.available()
 
         def answer(server):
-            return lambda msg: msg.body.get("shm") is True and local.add(server)
+            def on_reply(msg):
+                if use_shm and msg.body.get("shm") is True:
+                    local.add(server)
+                body = auth.answer(msg.body, self._cred, self._rank)
+                if body is not None:
+                    proofs[server] = body
 
-        try:
-            probe, nonce = shm.make_probe(self._segments)
-            body = {"host": shm.host_id(), "probe": probe.name, "nonce": nonce}
-        except OSError as exc:  # no room, or no /dev/shm to write: TCP
-            log.info("no shared memory (%s); every part goes through TCP", exc)
-            probe, body = None, {"host": ""}
+            return on_reply
+
+        probe, body = None, {"host": ""}
+        if use_shm:
+            try:
+                probe, nonce = shm.make_probe(self._segments)
+                body = {"host": shm.host_id(), "probe": probe.name, "nonce": nonce}
+            except OSError as exc:  # no room, or no /dev/shm to write: TCP
+                log.info("no shared memory (%s); every part goes through TCP", exc)
         ids = [self._send(s, "hello", body, on_reply=answer(s)) for s in range(len(self._servers))]
         try:
             self._wait("kvstore.create (hello)", ids)
         finally:
             if probe is not None:
                 probe.unlink()
+        ids = [self._send(s, "auth", body) for s, body in proofs.items()]
+        self._wait("kvstore.create (auth)", ids)
         return local
 
     @property

@@ -144,7 +144,7 @@ class RawNode:
 
     def __init__(self, address, identity=None, secret=None, token=None):
         """``secret``: talk to the scheduler as a job member (CURVE with the job's keys);
-        ``token``: talk to a server as worker 0 with that credential (PLAIN)."""
+        ``token``: talk to a server as worker 0, proving that credential (kvstore.auth)."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         if identity:
@@ -157,9 +157,11 @@ class RawNode:
                 keys.node_public,
                 keys.node_secret,
             )
-        if token:
-            self.sock.plain_username, self.sock.plain_password = b"worker-0", token.encode()
         self.sock.connect(address)
+        if token:
+            hello = self.ask(encode(Message("hello", 1, "raw", {"host": ""})))
+            proof = auth.proof(token, hello.body["challenge"], 0)
+            assert self.ask(encode(Message("auth", 2, "raw", {"proof": proof}))).kind == "ack"
 
     def ask(self, frames, timeout=10.0) -> Message:
         self.sock.send_multipart(frames)
@@ -231,7 +233,7 @@ def test_server_survives_bad_messages(cluster):
     assert sched.sock.poll(20000)
     host, port = decode(sched.sock.recv_multipart()).body["servers"][0]
     node = RawNode(f"tcp://{host}:{port}", identity=b"worker-0", token=TOKEN)
-    stranger = RawNode(f"tcp://{host}:{port}", identity=b"intruder", token=TOKEN)
+    stranger = RawNode(f"tcp://{host}:{port}", identity=b"intruder")
     try:
         assert (
             "unknown peer"

@@ -393,6 +393,44 @@ def test_yarn_command_line_and_missing_client(monkeypatch):
     assert done.returncode == 2 and "the yarn launcher needs the Hadoop client" in done.stderr
 
 
+def test_yarn_and_sge_never_put_the_secret_on_a_command_line(monkeypatch, tmp_path):
+    """The secret's value is nowhere in an argv (``ps`` shows argv to every user): SGE names
+    it for ``qsub -v`` to take from its environment; YARN passes it as DMLC_KVSTORE_SECRET,
+    the prefix dmlc's Client and ApplicationMaster carry into the containers."""
+    secret = "s3cr3t" * 8
+    job = spec(env={"DMLC_NUM_WORKER": "2", "KVSTORE_SECRET": secret})
+    jar = tmp_path / "dmlc-yarn.jar"
+    jar.write_text("")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setenv("HADOOP_HOME", "/opt/hadoop")
+    monkeypatch.setenv("DMLC_YARN_JAR", str(jar))
+    monkeypatch.delenv("KVSTORE_SECRET", raising=False)
+    (submit,) = yarn.processes(job)
+    assert not any(secret in arg for arg in submit.argv), submit.argv
+    assert submit.env["DMLC_KVSTORE_SECRET"] == secret
+    (qsub,) = sge.processes(job)
+    os.unlink(qsub.argv[-1])
+    assert not any(secret in arg for arg in qsub.argv), qsub.argv
+    assert "DMLC_NUM_WORKER=2,KVSTORE_SECRET" in qsub.argv
+    assert qsub.env["KVSTORE_SECRET"] == secret  # where `qsub -v KVSTORE_SECRET` reads it
+
+
+def test_child_takes_the_secret_yarn_carried(tmp_path):
+    show = "import os; print(os.environ.get('KVSTORE_SECRET'), 'DMLC_KVSTORE_SECRET' in os.environ)"
+    env = dict(os.environ, DMLC_ROLE="worker", DMLC_TASK_ID="0", DMLC_KVSTORE_SECRET="abc")
+    env.pop("KVSTORE_SECRET", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.launch.child", "--num-servers", "1", "--"]
+        + [sys.executable, "-c", show],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout == "[worker 0] abc False\n", done
+
+
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed here")
 def test_slurm_missing_srun():
     done = launch("-n", "1", "--launcher", "slurm", "python", "x.py")

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 
-from .spec import role_overrides
+from .spec import SECRETS, role_overrides
 
 _INDEX_VARS = (
     ("OMPI_COMM_WORLD_RANK", 0),
@@ -76,6 +76,9 @@ def main(argv=None) -> int:
         print(f"kvstore.launch.child: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ, DMLC_ROLE=role, KVSTORE_RANK=str(rank))
+    for name in SECRETS:  # under YARN the secret comes as DMLC_<name> (see launch.yarn)
+        if "DMLC_" + name in env:
+            env.setdefault(name, env.pop("DMLC_" + name))
     env.update(role_overrides(os.environ, role))
     if role == "worker":
         env.update(worker_ranks(os.environ, rank))

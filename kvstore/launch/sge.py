@@ -2,6 +2,13 @@
 
 ``qsub -sync y`` waits for the job, so the launcher's exit status is the job's. Each task runs
 :mod:`kvstore.launch.child`, which takes its role from ``SGE_TASK_ID``.
+
+The job secret never goes on a command line: ``-v KVSTORE_SECRET`` names it without a value,
+and ``qsub`` takes the value from its own environment, where :func:`processes` puts it. What a
+task sees: ``KVSTORE_SECRET`` in its environment. Grid Engine keeps a job's environment with
+the job (``qstat -j`` lists it as ``env_list`` to whoever may see the job's details): where
+other users may, set ``KVSTORE_SECRET_FILE`` to a file on the shared file system that only you
+can read instead.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ def processes(spec: JobSpec) -> list[Proc]:
         Proc(
             "qsub",
             command(spec, path, os.environ.get("KVSTORE_SGE_QUEUE")),
-            None,
+            {**os.environ, **spec.env},  # the secret's value, which `-v NAME` takes from here
             "sge",
             prefixed=True,
         )

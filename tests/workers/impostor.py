@@ -1,7 +1,8 @@
 """A job member that tries to act as another rank (W=3). Everyone pushes once; rank 2 then
 closes its store (its routing identity at the server becomes free); rank 1, a real worker with
-the job secret and its own credential, opens connections to the server claiming other ranks
-and pushes huge values. Ranks 0 and 1 then check the value is exact.
+the job secret and its own credential, opens connections to the server claiming other ranks,
+proves what it can on them (hello, then auth with a proof made with its own token), and
+pushes huge values. Ranks 0 and 1 then check the value is exact.
 
 Prints one line per attempt: "<attempt>: refused (<how>)" or "<attempt>: ACCEPTED".
 """
@@ -12,6 +13,7 @@ import numpy as np
 import zmq
 
 import kvstore
+from kvstore import auth
 from kvstore.protocol import Message, decode, encode
 
 kv = kvstore.create("dist_sync")
@@ -26,19 +28,28 @@ if rank == 2:
     raise SystemExit(0)
 
 
-def attempt(ctx, identity, user, password, patience):
-    """Push as someone else; the reply (an error), or None if the connection never opened."""
+def ask(sock, msg):
+    sock.send_multipart(encode(msg))
+    return decode(sock.recv_multipart()) if sock.poll(1000) else None
+
+
+def attempt(ctx, identity, prove_as, patience):
+    """Push as someone else, after proving rank ``prove_as``'s claim with this worker's own
+    token (None: no proof); the push's reply (an error), or None if no reply ever came."""
     deadline = time.monotonic() + patience
     while True:
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.identity = identity
-        if user is not None:
-            sock.plain_username, sock.plain_password = user, password.encode()
         sock.connect(f"tcp://{host}:{port}")
-        push = Message("push", 99, "x", {"keys": [["w", 0]]}, [np.full(4, 1e6, np.float32)])
-        sock.send_multipart(encode(push))
-        got = decode(sock.recv_multipart()) if sock.poll(1000) else None
+        got = ask(sock, Message("hello", 97, "x", {"host": ""}))
+        if got is not None and prove_as is not None:
+            challenge = got.body.get("challenge", "")
+            proof = auth.proof(token, challenge, prove_as)
+            ask(sock, Message("auth", 98, "x", {"proof": proof}))
+        if got is not None:
+            push = Message("push", 99, "x", {"keys": [["w", 0]]}, [np.full(4, 1e6, np.float32)])
+            got = ask(sock, push)
         sock.close()
         if got is not None or time.monotonic() > deadline:
             return got
@@ -48,14 +59,15 @@ if rank == 1:
     host, port = kv._servers[0]
     token = kv._cred.public
     attempts = {
-        # the identity of rank 2 (gone), the credential of rank 1: the handshake passes
-        "identity worker-2 with rank 1's credential": (b"worker-2", b"worker-1", token, 10),
-        # rank 0's name with rank 1's token: the handshake fails
-        "username worker-0 with rank 1's token": (b"worker-0", b"worker-0", token, 2),
+        # the identity of rank 2 (gone), the proof of rank 1's token: the proof is wrong
+        "identity worker-2 with rank 1's token": (b"worker-2", 2, 10),
+        # rank 0's identity, taken by rank 0's own connection: the server never reads it
+        "identity worker-0 with rank 1's token": (b"worker-0", 0, 2),
         # aliases of rank 0, with rank 1's own credential
-        "identity worker-00": (b"worker-00", b"worker-1", token, 2),
-        "identity worker-<Arabic-Indic zero>": ("worker-\u0660".encode(), b"worker-1", token, 2),
-        "no credential at all": (b"worker-0", None, None, 2),
+        "identity worker-00": (b"worker-00", 1, 2),
+        "identity worker-<Arabic-Indic zero>": ("worker-\u0660".encode(), 1, 2),
+        # rank 2's identity, no proof at all
+        "identity worker-2 with no proof": (b"worker-2", None, 10),
     }
     ctx = zmq.Context()
     for what, args in attempts.items():
