@@ -110,6 +110,7 @@ class Server:
         self._stall_reports: dict[str, tuple] = {}  # key shown -> (round, next report, key)
         # Default mode (kvstore.auth): a connection is served once it proves a rank's token.
         self._challenges: dict[str, str] = {}  # connection (its User-Id) -> open challenge
+        self._roots: dict[tuple, int] = {}  # root-only keys (see root_only) -> their root
         self._proved: dict[int, str] = {}  # rank -> the connection that proved its token
         self._connection: tuple = ("", None)  # (User-Id, first frame) of the message in hand
         self.handlers = {
@@ -406,6 +407,9 @@ class Server:
         for key, array in zip(keys, msg.arrays, strict=True):
             self.stored[key] = np.array(array.reshape(-1))  # our own, writable copy
             self.rounds.add_key(key)
+            root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
+            if root is not None:
+                self._roots[key] = int(root[1])
         self._send(identity, Message("ack", msg.id, self.name))
 
     def _grads(self, msg: Message, keys: list, rank: int) -> list:
@@ -434,15 +438,16 @@ class Server:
                     f"expected {packed_size(codec.kind, stored.size)}"
                 )
             grads.append((key, codec.decode(array, header, stored.size, stored.dtype.type)))
-        for i, (key, grad) in enumerate(grads):
-            root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
-            if root is not None and int(root[1]) != rank:  # only the root's bytes count
-                grads[i] = (key, np.zeros_like(grad))
+        if self._roots:
+            for i, (key, grad) in enumerate(grads):
+                root = self._roots.get(key)
+                if root is not None and root != rank:  # only the root's bytes count
+                    grads[i] = (key, np.zeros_like(grad))
         return grads
 
     def _shared_pushes(self, msg: Message, keys: list, rank: int) -> dict:
         """{index: gradient} of the pushes a same-host worker left in shared memory, copied
-        out (the worker may reuse its segment once ``consumed`` says so)."""
+        out (the worker writes the segment again only once this push is answered)."""
         entries = msg.body.get("shm")
         if not entries:
             return {}
