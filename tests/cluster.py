@@ -83,8 +83,15 @@ class Cluster:
     def start_workers(self, script: str, args=(), env=None, count=None) -> list:
         """Start ``count`` (default: all) workers running ``tests/workers/<script>``."""
         path = ROOT / "tests" / "workers" / script
+        # rank i for worker i, as launch.py does (without a hint ranks follow the pids, which
+        # wrap around: then worker0 is not rank 0)
         return [
-            self._spawn(f"worker{i}", [sys.executable, str(path), *map(str, args)], "worker", env)
+            self._spawn(
+                f"worker{i}",
+                [sys.executable, str(path), *map(str, args)],
+                "worker",
+                dict(env or self.env, KVSTORE_RANK=str(i)),
+            )
             for i in range(count or self.num_worker)
         ]
 

@@ -73,8 +73,13 @@ def test_rogue_without_the_key_is_refused_by_scheduler_and_server(cluster):
         for s in rogues:
             s.close()
         ctx.term()
+    # the address, or "?" when the rogue was gone before its address could be read (a race
+    # on a loaded machine: the monitor reads it from the socket after the fact)
     for name in ("scheduler", "server0"):
-        assert "refused a connection from 127.0.0.1" in c.output(name), c.output(name)
+        assert re.search(r"refused a connection from (127\.0\.0\.1|\?)", c.output(name)), c.output(
+            name
+        )
+    assert "refused a connection from 127.0.0.1" in c.output("scheduler") + c.output("server0")
     for i in range(2):
         assert "done" in c.output(f"worker{i}")
 
