@@ -25,6 +25,7 @@ and tests drive them directly (``tests/test_plan.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,14 +47,24 @@ class Slice:
     shared: bool  # big enough for the shared segment of a server on this host
 
 
-@dataclass(frozen=True)
-class Outgoing:
+class Leg(NamedTuple):
+    """The part of a cached route that goes to one server."""
+
+    server: int
+    slices: tuple  # (Slice, ...)
+    keys: tuple  # ((key, part), ...)
+    wire: list  # [[key, part], ...]: the body's "keys" (shared by every message: never changed)
+    shared: tuple  # indices of the slices that may travel through a shared segment
+
+
+class Outgoing(NamedTuple):
     """One message to one server, ready to send but for the shared-memory entries, which
     the driver fills in (it owns the segments)."""
 
     server: int
     kind: str
-    keys: tuple  # ((key, part), ...): the wire keys, one per array
+    keys: tuple  # ((key, part), ...): one per array
+    wire: list  # the same as the body's "keys" field
     body: dict  # without "keys" and "shm"
     arrays: tuple  # one flat slice (or compressed codes) per key, or none (a pull)
     shared: tuple = ()  # indices of arrays that may travel through a shared segment
@@ -81,8 +92,8 @@ class Planner:
         self.shm_servers = frozenset(servers)
         self._routes.clear()
 
-    def route(self, keys: tuple, push: bool) -> tuple:
-        """``((server, (Slice, ...)), ...)`` for a call on ``keys``, servers in order."""
+    def route(self, keys: tuple, push: bool) -> tuple[Leg, ...]:
+        """One :class:`Leg` per server a call on ``keys`` reaches, servers in order."""
         cached = self._routes.get((keys, push))
         if cached is not None:
             return cached
@@ -92,7 +103,16 @@ class Planner:
             for server, part, lo, hi in self.layout[key]:
                 shared = push and server in self.shm_servers and (hi - lo) * itemsize >= SHM_FROM
                 by_server.setdefault(server, []).append(Slice(item, key, part, lo, hi, shared))
-        route = tuple((s, tuple(by_server[s])) for s in sorted(by_server))
+        route = tuple(
+            Leg(
+                server,
+                tuple(slices),
+                tuple((s.key, s.part) for s in slices),
+                [[s.key, s.part] for s in slices],
+                tuple(i for i, s in enumerate(slices) if s.shared),
+            )
+            for server, slices in sorted(by_server.items())
+        )
         if len(self._routes) >= 4096:  # key sets that never repeat: do not grow for ever
             self._routes.clear()
         self._routes[(keys, push)] = route
@@ -101,8 +121,8 @@ class Planner:
     # ---- calls
     def pull(self, keys) -> list[Outgoing]:
         return [
-            Outgoing(server, "pull", tuple((s.key, s.part) for s in slices), {}, ())
-            for server, slices in self.route(tuple(keys), False)
+            Outgoing(leg.server, "pull", leg.keys, leg.wire, {}, ())
+            for leg in self.route(tuple(keys), False)
         ]
 
     def init(self, keys, flats) -> list[Outgoing]:
@@ -121,32 +141,32 @@ class Planner:
 
     def _with_values(self, kind, keys, flats, body, compression, residuals) -> list[Outgoing]:
         keys = tuple(keys)
-        cast = []
-        for key, flat in zip(keys, flats, strict=True):
-            dtype = self.dtypes[key]
-            cast.append(flat if flat.dtype == dtype else flat.astype(dtype))
+        dtypes = self.dtypes
+        cast = [
+            flat if flat.dtype == dtypes[key] else flat.astype(dtypes[key])
+            for key, flat in zip(keys, flats, strict=True)
+        ]
         out = []
-        for server, slices in self.route(keys, kind != "init"):
-            arrays, shared, headers, kept = [], [], [], []
-            for index, s in enumerate(slices):
-                piece = cast[s.item][s.lo : s.hi]
-                if compression is not None:
-                    where = (s.key, s.part)
-                    piece, header, residual = compression.quantize(residuals.get(where), piece)
-                    headers.append(header)
-                    kept.append((where, residual))
-                elif s.shared:
-                    shared.append(index)
-                arrays.append(piece)
-            extra = {"headers": headers} if compression is not None else {}
+        for leg in self.route(keys, kind != "init"):
+            pieces = tuple(cast[s.item][s.lo : s.hi] for s in leg.slices)
+            if compression is None:
+                out.append(Outgoing(leg.server, kind, leg.keys, leg.wire, body, pieces, leg.shared))
+                continue
+            coded, headers, kept = [], [], []
+            for where, piece in zip(leg.keys, pieces, strict=True):
+                packed, header, residual = compression.quantize(residuals.get(where), piece)
+                coded.append(packed)
+                headers.append(header)
+                kept.append((where, residual))
             out.append(
                 Outgoing(
-                    server,
+                    leg.server,
                     kind,
-                    tuple((s.key, s.part) for s in slices),
-                    {**body, **extra},
-                    tuple(arrays),
-                    tuple(shared),
+                    leg.keys,
+                    leg.wire,
+                    {**body, "headers": headers},
+                    tuple(coded),
+                    (),
                     tuple(kept),
                 )
             )
@@ -197,11 +217,14 @@ class Collector:
         asked = self._expected.pop(request, None)
         if asked is None or self.cancelled:
             return
-        keys = tuple(tuple(k) for k in keys)
-        if keys != asked or len(arrays) != len(keys):
+        if len(keys) != len(asked) or len(arrays) != len(asked):
             self.cancel()
-            raise ReplyError(f"the reply holds keys {list(keys)[:4]}, expected {list(asked)[:4]}")
-        for (key, part), array in zip(keys, arrays, strict=True):
+            raise ReplyError(f"the reply holds {len(keys)} keys, expected {len(asked)}")
+        writes = []
+        for (key, part), got, array in zip(asked, keys, arrays, strict=True):
+            if got[0] != key or got[1] != part:
+                self.cancel()
+                raise ReplyError(f"the reply holds key {got!r:.60}, expected {[key, part]}")
             flat, parts = self._targets[key]
             lo, hi = parts[part]
             if array.dtype != flat.dtype or array.size != hi - lo:
@@ -210,9 +233,8 @@ class Collector:
                     f"key {key!r} part {part}: got {array.size} x {array.dtype}, "
                     f"expected {hi - lo} x {flat.dtype}"
                 )
-        for (key, part), array in zip(keys, arrays, strict=True):
-            flat, parts = self._targets[key]
-            lo, hi = parts[part]
+            writes.append((flat, lo, hi, array))
+        for flat, lo, hi, array in writes:
             flat[lo:hi] = array.reshape(-1)
 
     def cancel(self) -> None:

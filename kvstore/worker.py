@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -111,15 +110,16 @@ def create_dist(kind: str) -> KVStore:
     return DistStore(kind, cfg)
 
 
-@dataclass
 class _Request:
     """A request in flight."""
 
-    server: int
-    kind: str
-    collector: Collector | None = None
-    on_reply: object = None  # a callable taking the reply Message
-    segments: tuple = ()  # shared segments it names: mapped by the server once answered
+    __slots__ = ("server", "kind", "collector", "on_reply", "segments")
+
+    def __init__(self, server: int, kind: str, collector=None, on_reply=None, segments=()):
+        self.server, self.kind = server, kind
+        self.collector: Collector | None = collector
+        self.on_reply = on_reply  # a callable taking the reply Message
+        self.segments = segments  # shared segments it names: mapped once answered
 
 
 class DistStore(KVStore):
@@ -260,7 +260,7 @@ class DistStore(KVStore):
             for out in outgoing:
                 msg_id = next(self._ids)
                 arrays = list(out.arrays)
-                body = {"keys": [list(k) for k in out.keys], **out.body}
+                body = {"keys": out.wire, **out.body}
                 used = self._to_segments(out, arrays) if out.shared else []
                 if used:
                     body["shm"] = [[i, seg.name, seq] for i, seg, seq in used]

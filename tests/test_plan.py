@@ -173,7 +173,7 @@ def test_a_reply_that_answers_something_else_writes_nothing_and_cancels():
         collector.receive(2, [["w", 0]], [np.ones(3, np.float32)])
     collector = Collector(planner, ["w"], [[out]], [(4,)])
     collector.expect(3, (("w", 0),))
-    with pytest.raises(ReplyError, match="holds keys"):
+    with pytest.raises(ReplyError, match="holds key"):
         collector.receive(3, [["v", 0]], [np.ones(4, np.float32)])
     assert (out == 0).all()
 
