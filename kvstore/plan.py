@@ -187,6 +187,7 @@ class Collector:
 
     def __init__(self, planner: Planner, keys, outs, shapes):
         self.cancelled = False
+        self.reason = ""
         self._targets: dict = {}
         self._staged = []
         for key, key_outs, shape in zip(keys, outs, shapes, strict=True):
@@ -237,8 +238,10 @@ class Collector:
         for flat, lo, hi, array in writes:
             flat[lo:hi] = array.reshape(-1)
 
-    def cancel(self) -> None:
-        self.cancelled = True
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Write nothing more; ``reason`` says why (a finisher raises it)."""
+        if not self.cancelled:
+            self.cancelled, self.reason = True, reason
         self._expected.clear()
 
     def finish(self) -> None:

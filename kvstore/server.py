@@ -284,10 +284,15 @@ class Server:
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
         arrays, body = [self.stored[k] for k in keys], {"keys": req.msg.body["keys"]}
-        if self._shm_of:  # a same-host worker reads big values from its shared segment
+        # a same-host worker reads big values from its shared segment, for the keys it says
+        # it has no other reply in flight for (so the region is read before it is written)
+        wanted = req.msg.body.get("shm_pull")
+        if self._shm_of and wanted:
             rank = self._ranks.get(req.identity, -1)
-            for i, key in enumerate(keys):
-                segment = self._shm_of.get((rank, key))
+            for i in wanted:
+                if type(i) is not int or not 0 <= i < len(keys):
+                    continue
+                segment = self._shm_of.get((rank, keys[i]))
                 if segment is not None:
                     np.copyto(segment.pull.view(arrays[i].dtype), arrays[i])
                     arrays[i] = arrays[i][:0]

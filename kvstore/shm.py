@@ -131,7 +131,7 @@ PROBE_BYTES = 64
 def make_probe(segments: WorkerSegments) -> tuple[Segment, str]:
     """A small segment holding a random nonce, for :func:`prove`; ``(segment, nonce hex)``."""
     nonce = secrets.token_bytes(16)
-    segment = segments.get(("probe", 0), PROBE_BYTES)
+    segment = segments.get((None, "probe"), PROBE_BYTES)  # no key is None
     segment.push[: len(nonce)] = np.frombuffer(nonce, np.uint8)
     return segment, nonce.hex()
 

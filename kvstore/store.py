@@ -27,6 +27,26 @@ class Item:
     outs: list
 
 
+class Pending:
+    """A call in flight (:meth:`KVStore.pushpull_async`): :meth:`wait` finishes it."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish):
+        self._finish = finish  # a callable, or None once finished
+
+    def wait(self) -> None:
+        """Finish the call: its outputs are written, or its error is raised (once)."""
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has finished it."""
+        return self._finish is None
+
+
 @dataclass(frozen=True)
 class Meta:
     shape: tuple
@@ -235,6 +255,24 @@ class KVStore:
         items = self._items("pushpull", key, value, value if out is None else out)
         self._pushed = True
         self._pushpull(items)
+
+    def pushpull_async(self, key, value, out=None) -> Pending:
+        """Start a ``pushpull`` and return at once; ``wait()`` on the result finishes it
+        (writes ``out``) and raises its error, if any. Until then, leave ``value`` unchanged
+        and do not read ``out``. Calls in flight complete in any order; every other call
+        on the store (a barrier, a pull) also waits for them.
+
+        >>> pending = kv.pushpull_async('w', grad, out=w)  # doctest: +SKIP
+        >>> ...  # compute the next bucket
+        >>> pending.wait()  # doctest: +SKIP
+        """
+        items = self._items("pushpull", key, value, value if out is None else out)
+        self._pushed = True
+        return self._pushpull_start(items)
+
+    def _pushpull_start(self, items) -> Pending:
+        self._pushpull(items)  # one process: done at once
+        return Pending(None)
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """Initialise each key with ``value`` (rank 0's) and pull it into ``out`` everywhere."""

@@ -41,13 +41,14 @@ from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
 from .protocol import Message, ProtocolError, decode
-from .store import KVStore
+from .store import KVStore, Pending
 
 log = logging.getLogger("kvstore.worker")
 
 # Requests whose refusal by one server leaves the servers disagreeing (rounds, optimizer):
 # the store fails with it.
 _MUTATING = frozenset({"init", "push", "pushpull", "optimizer", "set_states"})
+_PULLING = frozenset({"pull", "pushpull"})
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -173,6 +174,7 @@ class DistStore(KVStore):
         self._optimizer: Optimizer | None = None
         self._segments = shm.WorkerSegments(self._rank)
         self._shm_last: dict = {}  # (key, part) -> the last push that used its segment
+        self._pull_last: dict = {}  # (key, part) -> the last request answered through it
         self._no_segment: set = set()  # parts whose segment /dev/shm had no room for
         self._planner.set_shm_servers(self._hello())
         log.info(
@@ -264,6 +266,9 @@ class DistStore(KVStore):
                 used = self._to_segments(out, arrays) if out.shared else []
                 if used:
                     body["shm"] = [[i, seg.name, seq] for i, seg, seq in used]
+                pulled = self._pull_regions(out) if out.kind in _PULLING else ()
+                if pulled:
+                    body["shm_pull"] = pulled
                 msg = Message(out.kind, msg_id, f"worker-{self._rank}", body, arrays)
                 trackers.extend(s.tracker for s in self._transmit(out.server, msg))
                 sent_any = True
@@ -271,6 +276,8 @@ class DistStore(KVStore):
                 self._requests[msg_id] = _Request(out.server, out.kind, collector, None, segments)
                 for i, _, _ in used:
                     self._shm_last[out.keys[i]] = msg_id
+                for i in pulled:
+                    self._pull_last[out.keys[i]] = msg_id
                 if collector is not None:
                     collector.expect(msg_id, out.keys)
                 ids.append(msg_id)
@@ -316,6 +323,20 @@ class DistStore(KVStore):
             arrays[index] = piece[:0]  # the dtype travels, the bytes do not
             used.append((index, segment, seq))
         return used
+
+    def _pull_regions(self, out: Outgoing) -> list:
+        """The indices of ``out``'s keys whose value may come back through the pull region of
+        their segment: those with a segment and no other reply of theirs in flight (the
+        server writes the region when it answers; a second reply in flight could overwrite
+        it before the first is read)."""
+        segments = self._segments.segments
+        if not segments:
+            return []
+        return [
+            i
+            for i, where in enumerate(out.keys)
+            if where in segments and self._pull_last.get(where) not in self._requests
+        ]
 
     def _server_name(self, server: int) -> str:
         host, port = self._servers[server]
@@ -414,9 +435,9 @@ class DistStore(KVStore):
         for segment in request.segments:
             segment.unlink()  # the server has it mapped: no name left behind
         if msg.kind == "error":  # "lost": the server failed it because a node was lost
-            self._drop(request.collector)
             kind = PeerLostError if msg.body.get("lost") is True else KVStoreError
             text = f"{what}: {msg.body['message']}"
+            self._drop(request.collector, f"{request.kind}: {msg.body['message']}")
             if request.kind in _MUTATING:
                 self._fail(
                     f"{text} (this worker's {request.kind} was refused by one server after "
@@ -429,7 +450,7 @@ class DistStore(KVStore):
             try:
                 request.collector.receive(msg.id, msg.body["keys"], self._read(msg, request))
             except (ReplyError, KeyError, IndexError, TypeError) as exc:
-                self._drop(request.collector)
+                self._drop(request.collector, f"bad reply: {exc}")
                 raise KVStoreError(
                     f"{what}: bad reply from {self._server_name(request.server)}: {exc}"
                 ) from None
@@ -450,12 +471,12 @@ class DistStore(KVStore):
                 segment.unlink()
         return arrays
 
-    def _drop(self, collector: Collector | None) -> None:
+    def _drop(self, collector: Collector | None, reason: str = "interrupted") -> None:
         """Cancel a call's collector: its late replies write nothing. Its requests stay in
         flight (a later wait collects them): a refusal among them still fails the store, and
         a shared segment they name is not written again before the server has answered."""
         if collector is not None:
-            collector.cancel()
+            collector.cancel(reason)
 
     def _collect(self, what: str, ids: list, trackers: list, collector: Collector) -> None:
         try:
@@ -463,6 +484,8 @@ class DistStore(KVStore):
         except BaseException:  # an error, the deadline, Ctrl-C: nothing more is written
             self._drop(collector)
             raise
+        if collector.cancelled:  # failed while another call waited (pushpull_async)
+            raise KVStoreError(f"{what}: {collector.reason}")
         collector.finish()
 
     # ---- the store operations
@@ -505,6 +528,12 @@ class DistStore(KVStore):
         collector = self._collector(items)
         ids, trackers = self._commit("pushpull", self._push_plan("pushpull", items), collector)
         self._collect("pushpull", ids, trackers, collector)
+
+    def _pushpull_start(self, items) -> Pending:
+        """Send now; the returned handle's ``wait`` collects (see ``pushpull_async``)."""
+        collector = self._collector(items)
+        ids, trackers = self._commit("pushpull", self._push_plan("pushpull", items), collector)
+        return Pending(lambda: self._collect("pushpull", ids, trackers, collector))
 
     def _collector(self, items) -> Collector:
         keys = [item.key for item in items]

@@ -227,3 +227,13 @@ def test_optimizer_state_needs_optimizer(kv, tmp_path):
 def test_set_updater_not_callable(kv):
     with pytest.raises(TypeError, match="callable"):
         kv.set_updater(3)
+
+
+def test_pushpull_async_in_one_process_is_done_at_once():
+    kv = kvstore.create("local")
+    kv.init("w", np.zeros(3, np.float32))
+    out = np.empty(3, np.float32)
+    pending = kv.pushpull_async("w", np.ones(3, np.float32), out=out)
+    assert pending.done and (out == 1).all()
+    pending.wait()  # a second wait is harmless
+    assert pending.done

@@ -3,7 +3,8 @@ the same calls; every pulled value is checked exactly.
 
 Every worker follows the same sequence of steps (a step pushes a subset of the keys, as one
 list), drawn from the shared seed; each worker draws its own delays and its own choice of
-push + pull, pushpull, or push alone (pulled later), so workers run rounds ahead of each
+push + pull, pushpull, pushpull_async (finished a few steps later, several in flight, the
+same keys again meanwhile), or push alone (pulled later), so workers run rounds ahead of each
 other. ``SGD(learning_rate=0.5)`` is set before the first push, so after n rounds a key holds
 ``init - 0.5 * (sum of every worker's first n pushes)``: exact in float32 for these small
 integers.
@@ -59,14 +60,32 @@ def check(keys, outs):
         checks += 1
 
 
+in_flight: list = []  # (pending, keys, outs, the push counts it must show)
+
+
+def finish(count):
+    while len(in_flight) > count:
+        pending, keys, outs, counts = in_flight.pop(0)
+        pending.wait()
+        for key, out, n in zip(keys, outs, counts, strict=True):
+            want = expected(key, n)
+            if not np.array_equal(out, want):
+                print(f"rank {rank}: async {key} after {n} pushes: wrong", flush=True)
+                sys.exit(5)
+
+
 for step, keys in enumerate(plan):
     time.sleep(mine.choice([0, 0, 0.001, 0.01, 0.05]))
     grads = [grad(rank, k, pushed[k]) for k in keys]
     outs = [np.empty(shapes[k], np.float32) for k in keys]
-    how = mine.choice(["push+pull", "pushpull", "push"])
+    how = mine.choice(["push+pull", "pushpull", "push", "async", "async"])
     for k in keys:
         pushed[k] += 1
-    if how == "pushpull":
+    if how == "async":
+        pending = kv.pushpull_async(keys, grads, out=outs)
+        in_flight.append((pending, keys, outs, [pushed[k] for k in keys]))
+        finish(mine.randint(0, 3))
+    elif how == "pushpull":
         kv.pushpull(keys, grads, out=outs)
         check(keys, outs)
     else:
@@ -78,6 +97,7 @@ for step, keys in enumerate(plan):
             kv.pull(later, out=outs)
             check(later, outs)
             unchecked.clear()
+finish(0)
 kv.close()
 print(f"rank {rank} shares memory with {len(kv._planner.shm_servers)} servers", flush=True)
 print(f"rank {rank} OK: {checks} pulled values exact", flush=True)
