@@ -19,6 +19,7 @@ Run it alone with ``DMLC_ROLE=server ... python -m kvstore.server``.
 from __future__ import annotations
 
 import logging
+import mmap
 import re
 import sys
 import time
@@ -323,6 +324,8 @@ class Server:
         old = self.stored[key]
         busy = bool(transport.pending(self.sending.pop(key, [])))
         if self.updater is None and not action.accumulate:
+            if _in_segment(value):  # a lone push through shared memory: its worker reuses it
+                value = value.copy()
             self.stored[key] = value  # the round's sum becomes the value, uncopied
             if not busy:
                 self.rounds.give_back(key, old)
@@ -481,7 +484,12 @@ class Server:
                 self._segments[name] = segment
             if segment.nbytes != stored.nbytes or int(segment.counters[0]) != seq:
                 raise ValueError(f"shm: segment {name} does not hold push {seq} of {_show(key)}")
-            found[index] = segment.push.view(stored.dtype).copy()
+            # summed straight from the segment, no copy: the worker writes this region again
+            # only once this push is answered (after its round is applied); read-only, so no
+            # round keeps it as a buffer to write into
+            view = segment.push.view(stored.dtype)
+            view.flags.writeable = False
+            found[index] = view
             segment.counters[1] = seq
             self._shm_of[(rank, key)] = segment
         return found
@@ -566,6 +574,14 @@ def _peer_of(frame) -> bytes:
         return frame.get("Peer-Address").encode()
     except (zmq.ZMQError, AttributeError):
         return b"?"
+
+
+def _in_segment(array: np.ndarray) -> bool:
+    """Whether ``array`` is a view of a shared segment (an mmap) rather than our own memory."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, mmap.mmap)
 
 
 def _show(key) -> str:

@@ -14,10 +14,12 @@ the pull region (the server writes the value it answers with there)::
 
 - push: the worker copies the gradient in, bumps ``written`` and sends the push with an empty
   array (of the key's dtype) and ``{"shm": [[index, name, written]]}``; the server checks the
-  counter and the dtype, copies the push out and sets ``consumed``. The worker writes the push
-  region again only once the server has answered that push (a ZeroMQ message, so the server's
-  reads happen before the worker's next write on any CPU, weakly ordered ones included); a
-  push of a part whose previous push is still unanswered goes through TCP instead.
+  counter and the dtype and sums straight from the region (a read-only view, never kept past
+  the round: a lone push is copied before it becomes the stored value). The worker writes
+  the push region again only once the server has answered that push, i.e. after its round
+  was applied (a ZeroMQ message, so the server's reads happen before the worker's next write
+  on any CPU, weakly ordered ones included); a push of a part whose previous push is still
+  unanswered goes through TCP instead. (``consumed`` is set but no longer read.)
 - pull: the server copies the stored value into the pull region before it answers with an
   empty array and ``{"shm": [index, ...]}``; the worker reads it on receipt, and has one
   pulling request per key in flight, so the region is never written while it reads.
