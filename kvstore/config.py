@@ -42,6 +42,7 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     bigarray_bound: int = 1_000_000
+    piece_bytes: int = 4 << 20  # KVSTORE_PIECE_BYTES: big keys travel in pieces of about this
     server_port: int = 0
     rank_hint: int = -1
     # the job's secret; empty only with insecure. Out of the repr: a Config that reaches a log
@@ -96,6 +97,7 @@ class Config:
                 int,
                 low=1,
             ),
+            piece_bytes=_number(env, "KVSTORE_PIECE_BYTES", 4 << 20, int, low=0),
             server_port=_number(env, "KVSTORE_SERVER_PORT", 0, int, low=0, high=65535),
             rank_hint=_rank_hint(env, role),
             secret=_secret(env),

@@ -74,9 +74,12 @@ class Outgoing(NamedTuple):
 class Planner:
     """Key placement, and routes per key set (cached)."""
 
-    def __init__(self, num_server: int, bigarray_bound: int, shm_servers=frozenset()):
+    def __init__(
+        self, num_server: int, bigarray_bound: int, shm_servers=frozenset(), piece_bytes: int = 0
+    ):
         self.num_server = num_server
         self.bigarray_bound = bigarray_bound
+        self.piece_bytes = piece_bytes  # a message carries about this much at most (0: any)
         self.shm_servers = frozenset(shm_servers)
         self.layout: dict = {}  # key -> [(server, part, lo, hi)]
         self.parts: dict = {}  # key -> {part: (lo, hi)}
@@ -84,16 +87,21 @@ class Planner:
         self._routes: dict = {}  # (keys, push) -> ((server, (Slice, ...)), ...)
 
     def add_key(self, key, size: int, dtype) -> None:
-        self.layout[key] = place(key, size, self.num_server, self.bigarray_bound)
+        dtype = np.dtype(dtype)
+        self.layout[key] = place(
+            key, size, self.num_server, self.bigarray_bound, dtype.itemsize, self.piece_bytes
+        )
         self.parts[key] = {part: (lo, hi) for _, part, lo, hi in self.layout[key]}
-        self.dtypes[key] = np.dtype(dtype)
+        self.dtypes[key] = dtype
 
     def set_shm_servers(self, servers) -> None:
         self.shm_servers = frozenset(servers)
         self._routes.clear()
 
     def route(self, keys: tuple, push: bool) -> tuple[Leg, ...]:
-        """One :class:`Leg` per server a call on ``keys`` reaches, servers in order."""
+        """The :class:`Leg` s of a call on ``keys``: one message per server, or several when
+        its slices hold more than ``piece_bytes`` (so the server sums a piece while the next
+        is on the wire); in key order within a server, servers in order."""
         cached = self._routes.get((keys, push))
         if cached is not None:
             return cached
@@ -103,20 +111,38 @@ class Planner:
             for server, part, lo, hi in self.layout[key]:
                 shared = push and server in self.shm_servers and (hi - lo) * itemsize >= SHM_FROM
                 by_server.setdefault(server, []).append(Slice(item, key, part, lo, hi, shared))
-        route = tuple(
-            Leg(
-                server,
-                tuple(slices),
-                tuple((s.key, s.part) for s in slices),
-                [[s.key, s.part] for s in slices],
-                tuple(i for i, s in enumerate(slices) if s.shared),
-            )
-            for server, slices in sorted(by_server.items())
-        )
+        legs = []
+        for server, slices in sorted(by_server.items()):
+            for group in self._messages(slices):
+                legs.append(
+                    Leg(
+                        server,
+                        tuple(group),
+                        tuple((s.key, s.part) for s in group),
+                        [[s.key, s.part] for s in group],
+                        tuple(i for i, s in enumerate(group) if s.shared),
+                    )
+                )
+        route = tuple(legs)
         if len(self._routes) >= 4096:  # key sets that never repeat: do not grow for ever
             self._routes.clear()
         self._routes[(keys, push)] = route
         return route
+
+    def _messages(self, slices: list) -> list[list]:
+        """``slices`` of one server cut into messages of at most about ``piece_bytes``."""
+        if not self.piece_bytes:
+            return [slices]
+        groups: list = [[]]
+        size = 0
+        for s in slices:
+            nbytes = (s.hi - s.lo) * self.dtypes[s.key].itemsize
+            if groups[-1] and size + nbytes > self.piece_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(s)
+            size += nbytes
+        return groups
 
     # ---- calls
     def pull(self, keys) -> list[Outgoing]:

@@ -5,10 +5,17 @@ process computes alike. A bigger one is cut into one contiguous slice per server
 server sums an equal share. Both sides recompute the slices from the part number; only
 ``[key, part]`` travels.
 
+A key of more than ``piece_bytes`` is cut further, into pieces of at most about that many
+bytes (the parts of a big key go round-robin over the servers): each piece is its own round
+on its server, so the server sums piece k while piece k+1 is still on the wire, and answers
+it at once (BytePS cuts at 4 MB for the same reason).
+
 >>> place("w", 10, num_server=2, bigarray_bound=4)
 [(0, 0, 0, 5), (1, 1, 5, 10)]
 >>> place(7, 3, num_server=2, bigarray_bound=4)
 [(1, 0, 0, 3)]
+>>> place(7, 6, num_server=2, bigarray_bound=100, itemsize=4, piece_bytes=8)
+[(1, 0, 0, 2), (1, 1, 2, 4), (1, 2, 4, 6)]
 """
 
 from __future__ import annotations
@@ -23,10 +30,18 @@ def server_of(key, num_server: int) -> int:
     return key % num_server
 
 
-def place(key, size: int, num_server: int, bigarray_bound: int) -> list[tuple[int, int, int, int]]:
+def place(
+    key, size: int, num_server: int, bigarray_bound: int, itemsize: int = 4, piece_bytes: int = 0
+) -> list[tuple[int, int, int, int]]:
     """``[(server, part, lo, hi)]``: the flat slices ``[lo, hi)`` of a key of ``size``
-    elements, and the server and part number of each; together they cover ``[0, size)``."""
-    if size >= bigarray_bound and num_server > 1:
-        bounds = [size * i // num_server for i in range(num_server + 1)]
-        return [(i, i, bounds[i], bounds[i + 1]) for i in range(num_server)]
-    return [(server_of(key, num_server), 0, 0, size)]
+    elements of ``itemsize`` bytes, and the server and part number of each; together they
+    cover ``[0, size)``. ``piece_bytes`` (0: no limit) bounds a part's bytes, roughly."""
+    split = size >= bigarray_bound and num_server > 1
+    parts = num_server if split else 1
+    if piece_bytes > 0 and size * itemsize > piece_bytes * parts:
+        pieces = -(-size * itemsize // piece_bytes)  # ceil
+        # a multiple of the servers it spans; never more parts than elements
+        parts = max(parts, min(-(-pieces // parts) * parts, size))
+    bounds = [size * i // parts for i in range(parts + 1)]
+    home = server_of(key, num_server)
+    return [(i % num_server if split else home, i, bounds[i], bounds[i + 1]) for i in range(parts)]

@@ -169,7 +169,7 @@ class DistStore(KVStore):
             "barrier_done": self._on_answer,
             "join_done": self._on_answer,
         }
-        self._planner = Planner(len(self._servers), cfg.bigarray_bound)
+        self._planner = Planner(len(self._servers), cfg.bigarray_bound, (), cfg.piece_bytes)
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
         self._segments = shm.WorkerSegments(self._rank)

@@ -10,7 +10,7 @@ keys = st.one_of(st.integers(0, 2**40), st.text(max_size=20))
 
 @given(keys, st.integers(0, 10_000), st.integers(1, 9), st.integers(1, 5_000))
 def test_parts_cover_the_key_once(key, size, num_server, bound):
-    parts = place(key, size, num_server, bound)
+    parts = place(key, size, num_server, bound)  # no piece limit: MXNet's placement
     assert parts[0][2] == 0 and parts[-1][3] == size
     for (_, _, _, hi), (_, _, lo, _) in zip(parts, parts[1:], strict=False):
         assert hi == lo  # contiguous, no gap, no overlap
@@ -32,3 +32,33 @@ def test_a_small_key_has_one_home_in_every_process(key, num_server):
 def test_str_keys_are_placed_by_a_stable_hash_not_python_hash():
     # crc32, fixed across runs, processes and machines (Python's str hash is salted)
     assert [server_of(k, 4) for k in ("w", "b", "layer0.w", "x")] == [2, 1, 0, 3]
+
+
+@given(
+    keys,
+    st.integers(0, 100_000),
+    st.integers(1, 9),
+    st.integers(1, 50_000),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 4096),
+)
+def test_pieces_cover_the_key_once_and_respect_the_limit(
+    key, size, num_server, bound, itemsize, piece_bytes
+):
+    parts = place(key, size, num_server, bound, itemsize, piece_bytes)
+    assert [p[1] for p in parts] == list(range(len(parts)))
+    assert parts[0][2] == 0 and parts[-1][3] == size
+    for (_, _, _, hi), (_, _, lo, _) in zip(parts, parts[1:], strict=False):
+        assert hi == lo
+    lengths = [hi - lo for _, _, lo, hi in parts]
+    assert max(lengths) - min(lengths) <= 1  # equal pieces
+    split = size >= bound and num_server > 1
+    if split:  # round-robin over every server, each the same number of pieces
+        assert [p[0] for p in parts] == [i % num_server for i in range(len(parts))]
+        assert len(parts) % num_server == 0 or len(parts) == size
+    else:
+        assert {p[0] for p in parts} == {server_of(key, num_server)}
+    if len(parts) > (num_server if split else 1):  # pieced: none much over the limit
+        assert max(lengths) * itemsize <= piece_bytes + itemsize
+    else:
+        assert parts == place(key, size, num_server, bound)

@@ -43,9 +43,11 @@ def test_mxnet_nightly_checks_repeatedly(cluster, kind, num_server, num_worker):
         c.stop()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_random_delays_and_mixed_keys_exact(cluster, seed):
-    c = cluster(2, 3, **BOUND)
+@pytest.mark.parametrize("seed,piece", [(1, 0), (2, 0), (3, 9000), (4, 70000)])
+def test_random_delays_and_mixed_keys_exact(cluster, seed, piece):
+    """``piece``: big keys travel in pieces of about that many bytes (each its own round and
+    message; 70000: pieces still big enough for shared memory)."""
+    c = cluster(2, 3, KVSTORE_PIECE_BYTES=piece, **BOUND)
     outs = c.run_workers("random_rounds.py", [seed, 25], timeout=90)
     for o in outs:
         assert "pulled values exact" in o, outs
