@@ -23,7 +23,6 @@ array([1., 1.], dtype=float32)
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -208,8 +207,10 @@ def _decode(frames: list) -> Message:
         _check_keys(kind, body["keys"])
     if not isinstance(specs, list):
         raise ProtocolError(f"{kind}: header field 'a' must be a list of arrays")
+    frames = len(buffers)
     for spec in specs:
-        _check_spec(kind, spec, len(buffers))
+        if type(spec) is not list or len(spec) != 4 or _spec_checked(*spec, frames) is not True:
+            _check_spec(kind, spec, frames)  # raises, saying what is wrong
     used = {spec[2] for spec in specs}
     if used - {0} != set(range(1, len(buffers))):
         raise ProtocolError(
@@ -225,6 +226,22 @@ def _decode(frames: list) -> Message:
 
 MAX_DIMS = 32  # NumPy's limit before 2.0
 MAX_DIM = 2**48  # elements along one axis: more than any frame can hold
+
+
+def _spec_checked(dtype, shape, frame, offset, frames) -> bool:
+    """The common case of :func:`_check_spec`, quickly: True when the spec is certainly
+    fine (a small shape of plain ints, a frame that arrived); else the full check decides."""
+    return (
+        type(dtype) is str
+        and len(dtype) <= 16
+        and type(shape) is list
+        and len(shape) <= 2
+        and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)
+        and type(frame) is int
+        and 0 <= frame < frames
+        and type(offset) is int
+        and offset >= 0
+    )
 
 
 def _check_spec(kind: str, spec, frames: int) -> None:
@@ -271,15 +288,15 @@ def _array(kind: str, spec, buffers, sizes, tail: int) -> np.ndarray:
     dtype_str, shape, frame, offset = spec
     if frame == 0:
         offset += tail
-    try:
-        dtype = _dtype(dtype_str)
-    except Exception:
-        raise ProtocolError(f"{kind}: bad dtype {dtype_str!r}") from None
-    if dtype.kind not in _DTYPE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
-        raise ProtocolError(f"{kind}: dtype {dtype_str!r} is not a plain number type")
-    count = math.prod(shape)
-    if math.prod(n for n in shape if n) > MAX_DIM:
-        raise ProtocolError(f"{kind}: shape {shape!r:.200} is too big")
+    dtype = _plain_dtypes.get(dtype_str)
+    if dtype is None:
+        dtype = _plain_dtype(kind, dtype_str)
+    if len(shape) == 1:
+        count = shape[0]  # checked <= MAX_DIM
+    else:
+        count = math.prod(shape)
+        if math.prod(n for n in shape if n) > MAX_DIM:
+            raise ProtocolError(f"{kind}: shape {shape!r:.200} is too big")
     size = sizes[frame]
     if offset + dtype.itemsize * count > size:
         raise ProtocolError(
@@ -287,12 +304,22 @@ def _array(kind: str, spec, buffers, sizes, tail: int) -> np.ndarray:
             f"its frame of {size} bytes (truncated frame?)"
         )
     array = np.frombuffer(buffers[frame], dtype=dtype, count=count, offset=offset)
-    return array.reshape(shape)
+    return array if len(shape) == 1 else array.reshape(shape)
 
 
-@functools.lru_cache(maxsize=64)
-def _dtype(name: str) -> np.dtype:
-    return np.dtype(name)
+_plain_dtypes: dict[str, np.dtype] = {}  # dtype strings already checked: plain numbers
+
+
+def _plain_dtype(kind: str, name: str) -> np.dtype:
+    try:
+        dtype = np.dtype(name)
+    except Exception:
+        raise ProtocolError(f"{kind}: bad dtype {name!r}") from None
+    if dtype.kind not in _DTYPE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise ProtocolError(f"{kind}: dtype {name!r} is not a plain number type")
+    if len(_plain_dtypes) < 64:
+        _plain_dtypes[name] = dtype
+    return dtype
 
 
 def error_reply(request: Message, sender: str, text: str) -> Message:
