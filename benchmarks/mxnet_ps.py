@@ -11,7 +11,7 @@ leftovers by PID, aggregates worker JSON.
 
 Each worker, per size: kv.init(key, zeros); warmup; then a fixed number of
   kv.push(key, grad); kv.pull(key, out=arr); arr.wait_to_read()
-steps (``--op pushpull``: one kv.pushpull(key, grad, out=arr), a single round trip in 1.9.1)
+steps (``--op pushpull``: one kv.pushpull(key, grad, out=arr) instead)
 (the same count on every worker, so dist_sync never hangs). Repeated --repeats times, each
 run starts after kv._barrier(). Metric: per-worker gradient bytes pushed per second
 (size*steps/time); the same bytes are pulled back, so wire traffic per worker is 2x that.

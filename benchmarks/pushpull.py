@@ -9,8 +9,8 @@ measured in the same run. Prints one JSON line per measurement, then a table.
 
 ``--mxnet PYTHON`` (a Python with MXNet 1.9.1, e.g. a venv outside the repository) also runs
 MXNet's KVStore on ps-lite (``mxnet_ps.py`` under that Python) with the same metric and the
-same W, S and sizes (``kv.pushpull``, one round trip; ``--mxnet-op push_pull``: push then
-pull; always ``--reps`` steps, as its workers must agree on the count), interleaved with
+same W, S and sizes (``kv.pushpull``, the call kvstore's side makes; ``--mxnet-op push_pull``:
+push then pull; always ``--reps`` steps, as its workers must agree on the count), interleaved with
 kvstore: MXNet, kvstore, MXNet, kvstore, ... for ``--repeats`` rounds per mode. Each kvstore
 or MXNet row is then the median over rounds (min and max: over all rounds), and a
 ``kvstore/mxnet MODE`` row per size gives the paired ratio: the median of the per-round
