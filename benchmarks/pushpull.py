@@ -7,7 +7,18 @@ second of 1000 keys of 1 KiB pushed and pulled as one list; for ``dist_sync`` an
 (``zmq_bound.py``) and, when torch is installed, through a gloo ``all_reduce`` of W ranks, are
 measured in the same run. Prints one JSON line per measurement, then a table.
 
+``--mxnet PYTHON`` (a Python with MXNet 1.9.1, e.g. a venv outside the repository) also runs
+MXNet's KVStore on ps-lite (``mxnet_ps.py`` under that Python) with the same metric and the
+same W, S and sizes (``kv.pushpull``, the call kvstore's side makes; ``--mxnet-op push_pull``:
+push then pull; always ``--reps`` steps, as its workers must agree on the count), interleaved with
+kvstore: MXNet, kvstore, MXNet, kvstore, ... for ``--repeats`` rounds per mode. Each kvstore
+or MXNet row is then the median over rounds (min and max: over all rounds), and a
+``kvstore/mxnet MODE`` row per size gives the paired ratio: the median of the per-round
+ratios kvstore/MXNet, with their min and max.
+
     python benchmarks/pushpull.py -w 2 -s 2
+    python benchmarks/pushpull.py --modes dist_sync --no-compression --no-gloo \
+        --mxnet ../mxnet-venv/bin/python --repeats 3
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -163,6 +175,96 @@ def mean_over_workers(per_worker: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def run_mxnet(args, mode: str) -> list[dict]:
+    """One MXNet ps-lite job (``mxnet_ps.py`` under ``args.mxnet``) measuring what a kvstore
+    cluster measures, in the same rows: per-step rates, ``args.reps`` steps, means over workers.
+    """
+    sizes = parse_sizes(args.sizes)
+    cmd = [args.mxnet, str(Path(__file__).resolve().parent / "mxnet_ps.py")]
+    cmd += ["-W", str(args.workers), "-S", str(args.servers), "--mode", mode, "--repeats", "1"]
+    cmd += ["--sizes", ",".join(str(n) for n in sizes.values()), "--per-step"]
+    cmd += ["--min-steps", str(args.reps), "--max-steps", str(args.reps)]
+    cmd += ["--op", args.mxnet_op, "--timeout", str(args.timeout)]
+    if args.keys:
+        cmd += ["--many-keys", f"{args.keys}x1K", "--many-keys-steps", str(args.reps)]
+    # its own session: should it outlive the timeout (or Ctrl-C), its whole group (scheduler,
+    # servers, workers) is killed through its PID
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, _ = job.communicate(timeout=args.timeout + 60)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"the MXNet job ran past {args.timeout + 60:.0f}s: {cmd}") from None
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    if job.returncode:
+        raise SystemExit(f"the MXNet job failed ({job.returncode}): {' '.join(cmd)}\n{out}")
+    names = {nbytes: name for name, nbytes in sizes.items()}
+    rows = []
+    for rec in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
+        if rec["bench"] != "mxnet_ps":
+            continue
+        single = rec["case"] == "single_key"
+        scale = 1e9 if single else 1  # its GB/s to B/s
+        row = {
+            "config": f"mxnet {mode}",
+            "size": names[rec["bytes"]] if single else f"{args.keys}x1K",
+            "unit": "B/s" if single else "steps/s",
+            **{stat: rec[stat] * scale for stat in ("median", "min", "max")},
+            "n": rec["steps"],
+            "workers": rec["workers"],
+            "op": rec["op"],
+        }
+        rows.append(row)
+    return rows
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per measurement over several rounds of the same job: the median of the rounds'
+    medians, the min and max over all rounds, and each round's median."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = []
+    for rows in zip(*rounds, strict=True):
+        medians = [r["median"] for r in rows]
+        row = dict(rows[0], median=statistics.median(medians), rounds=medians)
+        row.update(min=min(r["min"] for r in rows), max=max(r["max"] for r in rows))
+        row["n"] = sum(r["n"] for r in rows)
+        merged.append(row)
+    return merged
+
+
+def paired_ratios(ours: list[list[dict]], peer: list[list[dict]], mode: str) -> list[dict]:
+    """Per size, kvstore's median over MXNet's in each round (the two ran back to back): the
+    median of these ratios, their min and max.
+
+    >>> a = [[{"size": "4K", "median": 2.0}], [{"size": "4K", "median": 3.0}]]
+    >>> b = [[{"size": "4K", "median": 1.0}], [{"size": "4K", "median": 2.0}]]
+    >>> paired_ratios(a, b, "dist_sync")[0]["pairs"]
+    [2.0, 1.5]
+    """
+    per_size: dict = {}
+    for kv_rows, mx_rows in zip(ours, peer, strict=True):
+        mx_median = {r["size"]: r["median"] for r in mx_rows}
+        for r in kv_rows:
+            if r["size"] in mx_median:
+                per_size.setdefault(r["size"], []).append(r["median"] / mx_median[r["size"]])
+    return [
+        {
+            "config": f"kvstore/mxnet {mode}",
+            "size": size,
+            "unit": "ratio",
+            "median": statistics.median(pairs),
+            "min": min(pairs),
+            "max": max(pairs),
+            "n": len(pairs),
+            "pairs": pairs,
+        }
+        for size, pairs in per_size.items()
+    ]
+
+
 def _gloo_rank(rank, world, port, sizes, reps, budget, queue):
     import torch
     import torch.distributed as dist
@@ -209,13 +311,18 @@ def table(results: list[dict]) -> str:
     bound = {r["size"]: r["median"] for r in results if r["config"] == "zmq"}
     lines = [f"{'config':<26} {'size':>8} {'median':>18} {'min':>18} {'max':>18} {'vs zmq':>7}"]
     for r in results:
-        ratio = r["median"] / bound[r["size"]] if r["size"] in bound else None
+        paired = r["unit"] == "ratio"  # kvstore/MXNet: no bound
+        ratio = r["median"] / bound[r["size"]] if r["size"] in bound and not paired else None
         lines.append(
-            f"{r['config']:<26} {r['size']:>8} {human(r['median'], r['unit']):>18} "
-            f"{human(r['min'], r['unit']):>18} {human(r['max'], r['unit']):>18} "
+            f"{r['config']:<26} {r['size']:>8} {shown(r['median'], r['unit']):>18} "
+            f"{shown(r['min'], r['unit']):>18} {shown(r['max'], r['unit']):>18} "
             f"{'' if ratio is None else f'{ratio:6.0%}':>7}"
         )
     return "\n".join(lines)
+
+
+def shown(value: float, unit: str) -> str:
+    return f"{value:.2f}x" if unit == "ratio" else human(value, unit)
 
 
 def main(argv=None) -> int:
@@ -234,6 +341,23 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-compression", action="store_true")
     p.add_argument(
+        "--mxnet",
+        metavar="PYTHON",
+        help="a Python with MXNet 1.9.1: measure its ps-lite KVStore beside kvstore, interleaved",
+    )
+    p.add_argument(
+        "--mxnet-op",
+        choices=["pushpull", "push_pull"],
+        default="pushpull",
+        help="MXNet's kv.pushpull (one round trip, as Gluon's Trainer) or kv.push then kv.pull",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of each mode's cluster (with --mxnet: MXNet, kvstore, MXNet, kvstore, ...)",
+    )
+    p.add_argument(
         "--plot", help="draw the results into this PNG (needs matplotlib: the bench extra)"
     )
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
@@ -244,8 +368,20 @@ def main(argv=None) -> int:
         return worker_main(args)
     started = time.monotonic()
     results = roundtrip_rates(parse_sizes(args.sizes), args.reps, args.budget, args.keys or 1)
-    for mode in args.modes.split(","):
-        results += run_cluster(args, mode, None)
+    modes = args.modes.split(",")
+    if args.mxnet and not Path(args.mxnet).exists():
+        raise SystemExit(f"--mxnet {args.mxnet}: no such interpreter (a Python with MXNet 1.9.1)")
+    ours: dict = {mode: [] for mode in modes}
+    peer: dict = {mode: [] for mode in modes}
+    for _ in range(args.repeats):  # rounds, so that a slow spell of the machine hits both
+        for mode in modes:
+            if args.mxnet:
+                peer[mode].append(run_mxnet(args, mode))
+            ours[mode].append(run_cluster(args, mode, None))
+    for mode in modes:
+        results += merge_rounds(ours[mode])
+        if args.mxnet:
+            results += merge_rounds(peer[mode]) + paired_ratios(ours[mode], peer[mode], mode)
     if not args.no_compression:
         results += run_cluster(args, "dist_sync", "2bit")
     if not args.no_gloo:
@@ -255,7 +391,8 @@ def main(argv=None) -> int:
         print(json.dumps({**r, "cores": os.cpu_count()}))
     print(
         f"\nW={args.workers} S={args.servers} on {os.cpu_count()} cores, "
-        f"{time.monotonic() - started:.0f}s; kvstore and gloo figures are per worker"
+        f"{time.monotonic() - started:.0f}s; kvstore, MXNet and gloo figures are per worker"
+        + (f"; {args.repeats} rounds, medians over rounds" if args.repeats > 1 else "")
     )
     print(table(results))
     if args.plot:

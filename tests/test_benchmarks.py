@@ -1,8 +1,10 @@
 """The benchmarks keep working: run them at a tiny size (no timing is asserted)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +49,49 @@ def test_pushpull_benchmark_smoke():
     for config in ("kvstore dist_sync", "kvstore dist_async"):  # a ratio to the bound per row
         ratios = [line.split()[-1] for line in table.splitlines() if line.split("  ")[0] == config]
         assert len(ratios) == 3 and all(x.endswith("%") and float(x[:-1]) > 0 for x in ratios)
+
+
+def mxnet_python() -> str:
+    """The Python with MXNet 1.9.1 named by KVSTORE_BENCH_MXNET, or skip saying why."""
+    python = os.environ.get("KVSTORE_BENCH_MXNET")
+    if not python:
+        pytest.skip("KVSTORE_BENCH_MXNET (a Python with MXNet 1.9.1) is not set")
+    if not Path(python).exists():
+        pytest.skip(f"KVSTORE_BENCH_MXNET={python}: no such file")
+    return python
+
+
+@pytest.mark.timeout(300)
+def test_pushpull_benchmark_beside_mxnet_smoke():
+    """--mxnet: MXNet's ps-lite rows and the paired kvstore/MXNet ratios, per size."""
+    python = mxnet_python()
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "pushpull.py"),
+            *("-w", "2", "-s", "1", "--sizes", "4K,256K", "--keys", "20", "--reps", "3"),
+            *("--budget", "0.5", "--modes", "dist_sync", "--no-gloo", "--no-compression"),
+            *("--mxnet", python, "--repeats", "2", "--timeout", "120"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    by = {(r["config"], r["size"]): r for r in rows}
+    for size in ("4K", "256K", "20x1K"):
+        for config in ("kvstore dist_sync", "mxnet dist_sync"):  # one row over both rounds
+            r = by[(config, size)]
+            assert r["unit"] == ("steps/s" if "x" in size else "B/s"), r
+            assert len(r["rounds"]) == 2 and 0 < r["min"] <= r["median"] <= r["max"], r
+        ratio = by[("kvstore/mxnet dist_sync", size)]
+        assert ratio["unit"] == "ratio" and len(ratio["pairs"]) == 2, ratio
+        assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"], ratio
+    table = done.stdout.split("vs zmq", 1)[1]
+    ratios = [line.split() for line in table.splitlines() if line.startswith("kvstore/mxnet")]
+    assert len(ratios) == 3 and all(cell.endswith("x") for line in ratios for cell in line[3:])
 
 
 def test_zmq_bound_smoke():
