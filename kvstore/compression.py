@@ -9,7 +9,10 @@ residual, sends the packed codes, and keeps what quantisation lost for the next 
   residual's non-negative elements or of its negative ones (two floats of header), eight
   elements per byte, 32x smaller than float32.
 
-Pack and unpack are vectorised against the array module, so they run on NumPy and CuPy.
+Both halves are written against the array module, so they run on NumPy and CuPy, and cost a
+few passes over the gradient (``benchmarks/codec.py`` measures them against ``np.add``): the
+worker quantises in pieces that fit the L2 cache (on the host), and the server decodes with
+one table lookup per byte (4 or 8 values), the same floats the worker subtracted.
 
 >>> import numpy as np
 >>> c = Compression.from_params({'type': '2bit', 'threshold': 0.5})
