@@ -1,9 +1,15 @@
 """2-bit and 1-bit gradient compression with error feedback."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import array_shapes, arrays
 
 import kvstore
+from kvstore import compression
 from kvstore.compression import Compression, packed_size
 from kvstore.protocol import Message, encode
 
@@ -43,6 +49,177 @@ def ref_1bit(residual, grad):
     )
     sent = [hi if r >= 0 else lo for r in residual]
     return packed, sent, [r - s for r, s in zip(residual, sent, strict=True)]
+
+
+def previous_quantize(kind, t, residual, grad):
+    """The implementation before the codec was made fast (52e999a), kept as the model the
+    fast one must match to the bit: whole-array passes, boolean indexing."""
+    flat = grad.reshape(-1)
+    residual = flat.astype(grad.dtype, copy=True) if residual is None else residual + flat
+    if kind == "2bit":
+        header, t = [t], residual.dtype.type(t)
+        pos, neg = residual >= t, residual <= -t
+        residual -= t * pos
+        residual += t * neg
+        codes = pos.astype(np.uint8) | (neg.astype(np.uint8) << 1)
+        codes = np.concatenate([codes, np.zeros(-codes.size % 4, np.uint8)]).reshape(-1, 4)
+        packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+        sent = (pos.astype(grad.dtype) - neg.astype(grad.dtype)) * t
+        return packed, header, sent, residual
+    signs = residual >= 0
+    npos = int(signs.sum())
+    nneg = flat.size - npos
+    hi = float(residual[signs].sum()) / npos if npos else 0.0
+    lo = float(residual[~signs].sum()) / nneg if nneg else 0.0
+    sent = np.where(signs, residual.dtype.type(hi), residual.dtype.type(lo))
+    residual -= sent
+    return np.packbits(signs), [hi, lo], sent, residual
+
+
+def typed_ref_2bit(residual, grad, t, dtype):
+    """``ref_2bit`` in the arithmetic of ``dtype`` (each sum and difference rounded to it)."""
+    t = dtype(t)
+    residual = [dtype(r) + dtype(g) for r, g in zip(residual, grad, strict=True)]
+    codes, sent = [], []
+    for i, r in enumerate(residual):
+        code = 1 if r >= t else 2 if r <= -t else 0
+        q = t if code == 1 else -t if code == 2 else dtype(0)
+        residual[i] = r - q
+        codes.append(code)
+        sent.append(q)
+    codes += [0] * (-len(codes) % 4)
+    packed = bytes(
+        codes[i] | codes[i + 1] << 2 | codes[i + 2] << 4 | codes[i + 3] << 6
+        for i in range(0, len(codes), 4)
+    )
+    return packed, sent, residual
+
+
+THRESHOLDS = [0.5, 0.25, 1.0, 0.1]
+
+
+@st.composite
+def pushes(draw):
+    """A dtype, a shape (any size, most not a multiple of 4 or 8), a few gradients of it
+    (with values on the thresholds and signed zeros among them), a threshold, and the piece
+    length the quantiser works in (small ones make small arrays span several pieces)."""
+    dtype = draw(st.sampled_from([np.float16, np.float32, np.float64]))
+    shape = draw(array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=11))
+    width = np.dtype(dtype).itemsize * 8
+    elements = st.one_of(
+        st.floats(-3, 3, width=width),
+        st.sampled_from([0.0, -0.0, *THRESHOLDS, *(-t for t in THRESHOLDS)]),
+    )
+    grads = draw(st.lists(arrays(dtype, shape, elements=elements), min_size=1, max_size=4))
+    return grads, draw(st.sampled_from(THRESHOLDS)), draw(st.sampled_from([8, 16, 1 << 18]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pushes())
+def test_2bit_property_matches_references(case):
+    grads, t, piece = case
+    codec = Compression.from_params({"type": "2bit", "threshold": t})
+    dtype = grads[0].dtype.type
+    residual, previous, typed = None, None, [0.0] * grads[0].size
+    with mock.patch.object(compression, "_PIECE", piece):
+        for grad in grads:
+            packed, header, residual = codec.quantize(residual, grad)
+            old_packed, old_header, old_sent, previous = previous_quantize(
+                "2bit", t, previous, grad
+            )
+            want_packed, want_sent, typed = typed_ref_2bit(typed, grad.reshape(-1), t, dtype)
+            sent = codec.decode(packed, header, grad.size, dtype)
+            assert packed.tobytes() == old_packed.tobytes() == want_packed
+            assert header == old_header and packed.dtype == np.uint8
+            assert sent.dtype == dtype and sent.shape == (grad.size,)
+            np.testing.assert_array_equal(sent, old_sent)
+            np.testing.assert_array_equal(sent, np.array(want_sent, dtype))
+            np.testing.assert_array_equal(residual, previous)
+            np.testing.assert_array_equal(residual, np.array(typed, dtype))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pushes())
+def test_1bit_property_matches_references(case):
+    grads, _, piece = case
+    codec = Compression.from_params({"type": "1bit"})
+    dtype = grads[0].dtype.type
+    rtol = {np.float16: 1e-2, np.float32: 1e-4, np.float64: 1e-9}[dtype]
+    residual, previous, typed = None, None, [dtype(0)] * grads[0].size
+    with mock.patch.object(compression, "_PIECE", piece):
+        for grad in grads:
+            packed, header, residual = codec.quantize(residual, grad)
+            old_packed, old_header, old_sent, previous = previous_quantize(
+                "1bit", 0, previous, grad
+            )
+            sent = codec.decode(packed, header, grad.size, dtype)
+            assert packed.tobytes() == old_packed.tobytes()
+            assert header == old_header  # the means, to the bit
+            np.testing.assert_array_equal(sent, old_sent)
+            np.testing.assert_array_equal(residual, previous)
+            # the plain model, element by element in the dtype's arithmetic: signs, means
+            # (summed in float64 here, so close, not equal), the values sent, the residual
+            typed = [r + g for r, g in zip(typed, grad.reshape(-1), strict=True)]
+            want_packed, _, _ = ref_1bit([0.0] * len(typed), [float(r) for r in typed])
+            assert packed.tobytes() == want_packed
+            pos, neg = [r for r in typed if r >= 0], [r for r in typed if r < 0]
+            for got, part in zip(header, (pos, neg), strict=True):
+                want = sum(float(r) for r in part) / len(part) if part else 0.0
+                assert got == pytest.approx(want, rel=rtol, abs=rtol)
+            want_sent = [dtype(header[0]) if r >= 0 else dtype(header[1]) for r in typed]
+            np.testing.assert_array_equal(sent, np.array(want_sent, dtype))
+            typed = [r - q for r, q in zip(typed, want_sent, strict=True)]
+            np.testing.assert_array_equal(residual, np.array(typed, dtype))
+
+
+@settings(max_examples=100, deadline=None)
+@given(pushes(), st.sampled_from(["2bit", "1bit"]))
+def test_error_feedback_property(case, scheme):
+    """Whatever the dtype, shape and pieces: sent plus kept equals everything pushed."""
+    grads, t, piece = case
+    params = {"type": scheme, "threshold": t} if scheme == "2bit" else {"type": scheme}
+    codec = Compression.from_params(params)
+    dtype = grads[0].dtype.type
+    residual, sent_total = None, np.zeros(grads[0].size)
+    with mock.patch.object(compression, "_PIECE", piece):
+        for grad in grads:
+            packed, header, new = codec.quantize(residual, grad)
+            assert residual is None or new is not residual
+            sent = codec.decode(packed, header, grad.size, dtype)
+            # exactly: the new residual is the sum, less what was sent, in the dtype
+            summed = grad.reshape(-1) if residual is None else residual + grad.reshape(-1)
+            np.testing.assert_array_equal(new, summed - sent)
+            sent_total += sent
+            residual = new
+    pushed = np.sum([g.reshape(-1).astype(np.float64) for g in grads], axis=0)
+    tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(sent_total + residual, pushed, rtol=tol, atol=tol * 8)
+
+
+def test_quantize_leaves_its_inputs_alone():
+    grad = rng.standard_normal(1001).astype(np.float32)
+    for params in ({"type": "2bit", "threshold": 0.5}, {"type": "1bit"}):
+        codec = Compression.from_params(params)
+        _, _, residual = codec.quantize(None, grad)
+        keep_grad, keep_residual = grad.copy(), residual.copy()
+        codec.quantize(residual, grad)
+        np.testing.assert_array_equal(grad, keep_grad)
+        np.testing.assert_array_equal(residual, keep_residual)
+
+
+@pytest.mark.parametrize("scheme", ["2bit", "1bit"])
+@pytest.mark.parametrize("size", [(1 << 18) - 1, (1 << 19) + 5])
+def test_big_arrays_match_the_previous_codec(scheme, size):
+    """Several default-sized pieces, the last one short."""
+    codec = Compression.from_params({"type": scheme})
+    residual = previous = None
+    for _ in range(2):
+        grad = rng.standard_normal(size).astype(np.float32)
+        packed, header, residual = codec.quantize(residual, grad)
+        old_packed, old_header, old_sent, previous = previous_quantize(scheme, 0.5, previous, grad)
+        assert packed.tobytes() == old_packed.tobytes() and header == old_header
+        np.testing.assert_array_equal(codec.decode(packed, header, size, np.float32), old_sent)
+        np.testing.assert_array_equal(residual, previous)
 
 
 @pytest.mark.parametrize("size", [1, 7, 64, 1001])
