@@ -35,13 +35,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class Apply:
+# Actions are named tuples: immutable, and made once per key and round (the hot path).
+class Apply(NamedTuple):
     """Store ``value`` under ``key``: with ``accumulate`` (an async push) add it to the stored
     value (or run the updater on it); else it is a round's sum (assign, or run the updater).
     ``value`` is the caller's from now on."""
@@ -51,15 +51,13 @@ class Apply:
     accumulate: bool
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):
     """Every key of ``request`` is ready: answer it (a pull reads the stored values now)."""
 
     request: Any
 
 
-@dataclass(frozen=True)
-class Fail:
+class Fail(NamedTuple):
     request: Any
     text: str
 
@@ -143,7 +141,7 @@ class Rounds:
             n = state.pushed[rank]
             state.pushed[rank] = n + 1
             state.last_push[rank] = now
-            if self._check_finished(state):
+            if self.finished_ranks and self._check_finished(state):
                 self._fail_dead(state, actions)
             if state.dead_from is not None and n >= state.dead_from:
                 self._fail(request, state.dead_why, actions)

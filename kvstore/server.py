@@ -322,9 +322,10 @@ class Server:
         add an async push. Never writes into an array a reply still reads."""
         key, value = action.key, action.value
         old = self.stored[key]
-        busy = bool(transport.pending(self.sending.pop(key, [])))
+        sends = self.sending.pop(key, None)
+        busy = sends is not None and any(not s.done for s in sends)
         if self.updater is None and not action.accumulate:
-            if _in_segment(value):  # a lone push through shared memory: its worker reuses it
+            if self._shm_of and _in_segment(value):  # a lone push through shared memory
                 value = value.copy()
             self.stored[key] = value  # the round's sum becomes the value, uncopied
             if not busy:
