@@ -19,10 +19,13 @@ on it (a KVStore is not thread-safe); the API functions hand it jobs and wait fo
 :class:`DistributedOptimizer` puts a hook on every parameter; when backward has produced a
 parameter's gradient (``backward_passes_per_step`` times) the hook copies it into its
 bucket, a flat buffer of about ``bucket_cap_mb`` (5 MB; DDP's are 25) holding parameters in
-reverse order (the order backward produces them). A full bucket is pushed at once by the
-background thread, which pulls the sum back while backward goes on; ``step()`` (or
-``synchronize()``) waits for the buckets still in flight and writes the averages into
-``p.grad``. Buckets leave in the same order on every worker (a full bucket waits for the
+reverse order (the order backward produces them). A full bucket leaves at once: the
+background thread starts its ``pushpull_async`` (one message out, the sum back into the
+same buffer) and goes on with the next, several in flight while backward goes on;
+``step()`` (or ``synchronize()``) waits for the buckets still in flight, averages each in
+place and makes each ``p.grad`` a view into its bucket (no copy back; the next
+``zero_grad()`` drops it, and a gradient kept past the next step sees the bucket reused, as
+with DDP's ``gradient_as_bucket_view``). Buckets leave in the same order on every worker (a full bucket waits for the
 ones before it), so workers can never wait on each other's different keys. Buckets are
 smaller than DDP's because a server's round is store-and-forward (the whole bucket in, the
 sum, the whole bucket out), where a ring pipelines inside a bucket: on this project's 2-core
