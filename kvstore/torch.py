@@ -27,10 +27,10 @@ place and makes each ``p.grad`` a view into its bucket (no copy back; the next
 ``zero_grad()`` drops it, and a gradient kept past the next step sees the bucket reused, as
 with DDP's ``gradient_as_bucket_view``). Buckets leave in the same order on every worker
 (a full bucket waits for the ones before it), so workers can never wait on each other's
-different keys. Buckets are
-smaller than DDP's because a server's round is store-and-forward (the whole bucket in, the
-sum, the whole bucket out), where a ring pipelines inside a bucket: on this project's 2-core
-machine ResNet-18's step took 215 ms with 5 MB buckets, 290 ms with 25 MB.
+different keys. Buckets are smaller than DDP's because a server's round is
+store-and-forward (the whole bucket in, the sum, the whole bucket out), where a ring
+pipelines inside a bucket: on this project's 2-core machine ResNet-18's step took 215 ms
+with 5 MB buckets, 290 ms with 25 MB.
 
 Collectives (``allreduce``, ``allgather``, ``broadcast*``) are sums on the store's keys:
 a broadcast is the root's tensor plus zeros from everyone else (exact), a gather puts each
