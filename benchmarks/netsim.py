@@ -6,7 +6,12 @@ colocated layout BytePS deploys), the scheduler on the first.
 
 For each link rate it measures, per worker: ``dist_sync`` pushpull, the same with 2-bit and
 1-bit compression, and gloo's ``all_reduce`` between the two hosts (when torch is installed),
-and prints one JSON line per measurement and a table. It creates the namespaces and the link
+and prints one JSON line per measurement and a table. With ``--torch-step`` it measures
+instead ``benchmarks/torch_step.py``'s kvstore.torch step (one worker per host), float32
+and ``Compression.fp16``:
+
+    sudo python benchmarks/netsim.py --rates 1gbit --torch-step --batch-size 16
+ It creates the namespaces and the link
 itself and removes them whatever happens (needs root, ``ip`` and ``tc``; otherwise it says so
 and exits 0). The kernel here has no ``netem``, so the link has a rate but no added delay.
 """
@@ -18,6 +23,7 @@ import json
 import os
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -91,8 +97,8 @@ def in_ns(ns: str, argv: list[str], env: dict, **kw) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, **kw)
 
 
-def run_kvstore(args, compression: str | None) -> list[dict]:
-    env = dict(
+def kvstore_env() -> dict:
+    return dict(
         os.environ,
         DMLC_PS_ROOT_URI=ADDRESS["kvsimA"],
         DMLC_PS_ROOT_PORT="9511",
@@ -104,7 +110,44 @@ def run_kvstore(args, compression: str | None) -> list[dict]:
         # the namespaces share this machine's memory: shared memory would bypass the link
         KVSTORE_SHM="0",
     )
+
+
+def run_kvstore(args, compression: str | None) -> list[dict]:
     worker_cmd = worker_command("dist_sync", args.sizes, args.reps, args.budget, 0, compression)
+    return mean_over_workers(collect_from(kvstore_job(worker_cmd), collect, args.timeout))
+
+
+def run_torch_step(args, fp16: bool) -> dict:
+    """benchmarks/torch_step.py's kvstore.torch step, one worker per host: its row."""
+    worker_cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "torch_step.py"),
+        "--role",
+        "kvstore-worker",
+        *("--steps", str(args.steps), "--warmup", "2", "--batch-size", str(args.batch_size)),
+    ] + (["--fp16"] if fp16 else [])
+
+    def rank0(workers, timeout):
+        outs = [w.communicate(timeout=timeout)[0] for w in workers]
+        for w, out in zip(workers, outs, strict=True):
+            if w.returncode:
+                raise SystemExit(f"a torch step worker failed ({w.returncode}):\n{out}")
+        line = next(o for o in outs if "RESULT " in o).split("RESULT ", 1)[1].splitlines()[0]
+        return json.loads(line)
+
+    result = collect_from(kvstore_job(worker_cmd), rank0, args.timeout)
+    return {
+        "config": f"torch step {'fp16' if fp16 else 'fp32'}",
+        "batch_size": args.batch_size,
+        "step_s_median": statistics.median(result["medians"]),
+        "per_worker_median_s": result["medians"],
+    }
+
+
+def kvstore_job(worker_cmd: list[str]) -> tuple[list, list]:
+    """A scheduler on the first host, a server and a worker on each: (every process,
+    the workers)."""
+    env = kvstore_env()
     procs = []
     try:
         procs.append(
@@ -132,13 +175,26 @@ def run_kvstore(args, compression: str | None) -> list[dict]:
             for i, ns in enumerate(HOSTS)
         ]
         procs += workers
-        per_worker = collect(workers, args.timeout)
+    except BaseException:
+        stop(procs)
+        raise
+    return procs, workers
+
+
+def collect_from(job: tuple[list, list], read, timeout: float):
+    """``read(workers, timeout)``, then every process of the job stopped."""
+    procs, workers = job
+    try:
+        return read(workers, timeout)
     finally:
-        for p in procs:  # by PID
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    return mean_over_workers(per_worker)
+        stop(procs)
+
+
+def stop(procs: list) -> None:
+    for p in procs:  # by PID
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
 
 
 GLOO = r"""
@@ -194,11 +250,16 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--torch-step", action="store_true", help="the torch step only (fp32, fp16)")
+    p.add_argument("--batch-size", type=int, default=16, help="per worker, for --torch-step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps, for --torch-step")
     args = p.parse_args(argv)
     why = why_not()
     if why:
         print(f"netsim: skipped: {why}")
         return 0
+    if args.torch_step:
+        return torch_step_rows(args)
     rows = []
     for rate in args.rates.split(","):
         with Link(rate):
@@ -215,6 +276,20 @@ def main(argv=None) -> int:
     print(f"\n{'link / config':34} {'size':>6} {'median':>14}")
     for r in rows:
         print(f"{r['config']:34} {r['size']:>6} {human(r['median'], r['unit']):>14}")
+    return 0
+
+
+def torch_step_rows(args) -> int:
+    rows = []
+    for rate in args.rates.split(","):
+        with Link(rate):
+            for fp16 in (False, True):
+                rows.append(dict(run_torch_step(args, fp16), link=rate))
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'link':8} {'config':16} {'batch':>5} {'step (median)':>14}")
+    for r in rows:
+        step = f"{r['step_s_median'] * 1000:.0f} ms"
+        print(f"{r['link']:8} {r['config']:16} {r['batch_size']:>5} {step:>14}")
     return 0
 
 

@@ -19,14 +19,18 @@ on it (a KVStore is not thread-safe); the API functions hand it jobs and wait fo
 :class:`DistributedOptimizer` puts a hook on every parameter; when backward has produced a
 parameter's gradient (``backward_passes_per_step`` times) the hook copies it into its
 bucket, a flat buffer of about ``bucket_cap_mb`` (5 MB; DDP's are 25) holding parameters in
-reverse order (the order backward produces them). A full bucket is pushed at once by the
-background thread, which pulls the sum back while backward goes on; ``step()`` (or
-``synchronize()``) waits for the buckets still in flight and writes the averages into
-``p.grad``. Buckets leave in the same order on every worker (a full bucket waits for the
-ones before it), so workers can never wait on each other's different keys. Buckets are
-smaller than DDP's because a server's round is store-and-forward (the whole bucket in, the
-sum, the whole bucket out), where a ring pipelines inside a bucket: on this project's 2-core
-machine ResNet-18's step took 215 ms with 5 MB buckets, 290 ms with 25 MB.
+reverse order (the order backward produces them). A full bucket leaves at once: the
+background thread starts its ``pushpull_async`` (one message out, the sum back into the
+same buffer) and goes on with the next, several in flight while backward goes on;
+``step()`` (or ``synchronize()``) waits for the buckets still in flight, averages each in
+place and makes each ``p.grad`` a view into its bucket (no copy back; the next
+``zero_grad()`` drops it, and a gradient kept past the next step sees the bucket reused, as
+with DDP's ``gradient_as_bucket_view``). Buckets leave in the same order on every worker
+(a full bucket waits for the ones before it), so workers can never wait on each other's
+different keys. Buckets are smaller than DDP's because a server's round is
+store-and-forward (the whole bucket in, the sum, the whole bucket out), where a ring
+pipelines inside a bucket; since a bucket became one message, 1, 5 and 25 MB buckets give
+ResNet-18 steps within 10% of each other on this project's 2-core machine (README).
 
 Collectives (``allreduce``, ``allgather``, ``broadcast*``) are sums on the store's keys:
 a broadcast is the root's tensor plus zeros from everyone else (exact), a gather puts each
@@ -158,9 +162,11 @@ def _wire_dtype(compression, dtype: torch.dtype) -> np.dtype:
 
 class _Comm:
     """One thread that makes every call on the store. ``submit(fn)`` runs ``fn(kv)`` there
-    and returns a Future. A job submitted with ``first=True`` (a bucket's push) runs before
-    the pulls of earlier pushes; it returns the pull, which runs when nothing else waits
-    and completes the job's Future. Any other job runs after every pending pull."""
+    and returns a Future. A job submitted with ``first=True`` (a bucket's pushpull) runs
+    before earlier such jobs are finished: it starts its call and returns a ``finish()``
+    (a :class:`~kvstore.store.Pending`'s ``wait``), run when no job waits, in order, which
+    completes the job's Future; so several buckets are in flight at once. Any other job
+    runs after every pending finish."""
 
     def __init__(self, kv: KVStore):
         self.kv = kv
@@ -182,37 +188,38 @@ class _Comm:
         return not self.thread.is_alive()
 
     def _loop(self) -> None:
-        pulls: collections.deque = collections.deque()
+        pending: collections.deque = collections.deque()  # (finish, future), oldest first
         while True:
-            if pulls:
+            if pending:
                 try:
                     job = self.jobs.get_nowait()
                 except queue.Empty:
-                    self._finish(*pulls.popleft())
+                    self._finish(*pending.popleft())
                     continue
             else:
                 job = self.jobs.get()
             if job is None:
-                while pulls:
-                    self._finish(*pulls.popleft())
+                while pending:
+                    self._finish(*pending.popleft())
                 return
             fn, future, first = job
             if not first:
-                while pulls:
-                    self._finish(*pulls.popleft())
+                while pending:
+                    self._finish(*pending.popleft())
             try:
                 result = fn(self.kv)
             except BaseException as exc:  # handed to the waiting thread, which raises it
                 future.set_exception(exc)
                 continue
             if first:
-                pulls.append((result, future))
+                pending.append((result, future))
             else:
                 future.set_result(result)
 
-    def _finish(self, pull, future: Future) -> None:
+    @staticmethod
+    def _finish(finish, future: Future) -> None:
         try:
-            future.set_result(pull(self.kv))
+            future.set_result(finish())
         except BaseException as exc:
             future.set_exception(exc)
 
@@ -638,7 +645,11 @@ def _no_process_set(process_set) -> None:
 
 
 class _Bucket:
-    """A flat wire buffer for some parameters' gradients, pushed and pulled as one key."""
+    """A flat wire buffer for some parameters' gradients (all of one dtype), pushed and
+    pulled as one key. After :meth:`synchronize <_DistributedMixin.synchronize>` each
+    ``p.grad`` is a view into ``grads`` (DDP's ``gradient_as_bucket_view``): the averages
+    are made in place, one pass per bucket. ``grads`` is the wire buffer itself where the
+    gradient travels in its own dtype, else a buffer of the parameters' dtype."""
 
     def __init__(self, key: str, dtype: np.dtype, params: list):
         self.key = key
@@ -649,6 +660,11 @@ class _Bucket:
             offset += p.numel()
         self.host = np.zeros(offset, dtype)
         self.flat = torch.from_numpy(self.host)
+        grad_dtype = params[0].dtype
+        same = self.flat.dtype == grad_dtype
+        self.grads = self.flat if same else torch.zeros(offset, dtype=grad_dtype)
+        self.wire_views = [self.flat[lo:hi].view(p.shape) for p, lo, hi in self.slots]
+        self.grad_views = [self.grads[lo:hi].view(p.shape) for p, lo, hi in self.slots]
         self.filled = 0
         self.future: Future | None = None
 
@@ -659,6 +675,9 @@ class _DistributedMixin:
     def _kvt_setup(self, named, compression, passes, op, predivide, bucket_bytes):
         st = _require()
         self._kvt_compression = compression
+        # Horovod's own compressors are casts: copy_ into the wire buffer casts in the same
+        # pass, and back; another compressor's compress and decompress run as given.
+        self._kvt_casts = compression in (NoneCompressor, FP16Compressor)
         self._kvt_passes = passes
         self._kvt_prescale = 1.0 / predivide
         self._kvt_postscale = predivide / st.kv.num_workers if op == Average else 1.0
@@ -671,10 +690,10 @@ class _DistributedMixin:
         # Reverse order: backward produces the last layers' gradients first.
         groups: dict = {}
         for p in reversed(params):
-            groups.setdefault(_wire_dtype(compression, p.dtype), []).append(p)
+            groups.setdefault((_wire_dtype(compression, p.dtype), p.dtype), []).append(p)
         st.optimizers += 1
         self._kvt_buckets: list[_Bucket] = []
-        for dtype, members in groups.items():
+        for (dtype, _), members in groups.items():
             current, nbytes = [], 0
             for p in members:
                 if current and nbytes + p.numel() * dtype.itemsize > bucket_bytes:
@@ -727,23 +746,28 @@ class _DistributedMixin:
 
     def _kvt_fill(self, p: torch.Tensor) -> None:
         bucket, i = self._kvt_where[id(p)]
-        _, lo, hi = bucket.slots[i]
+        wire = bucket.wire_views[i]
         grad = p.grad
         if grad is None:
-            bucket.flat[lo:hi].zero_()
-        else:
-            if grad.is_sparse:
-                if not self._kvt_sparse_as_dense:
-                    raise ValueError(
-                        f"parameter {self._kvt_names[id(p)]!r} has a sparse gradient: pass "
-                        "sparse_as_dense=True to DistributedOptimizer"
-                    )
-                grad = grad.to_dense()
-            wire, _ = self._kvt_compression.compress(grad.detach().reshape(-1))
-            if self._kvt_prescale != 1.0:
-                wire = wire * self._kvt_prescale
-            bucket.flat[lo:hi].copy_(wire)
+            wire.zero_()
+        elif grad.is_sparse:
+            if not self._kvt_sparse_as_dense:
+                raise ValueError(
+                    f"parameter {self._kvt_names[id(p)]!r} has a sparse gradient: pass "
+                    "sparse_as_dense=True to DistributedOptimizer"
+                )
+            self._kvt_to_wire(wire, grad.to_dense())
+        elif not (grad.data_ptr() == wire.data_ptr() and grad.dtype == wire.dtype):
+            # else backward accumulated into the bucket itself (zero_grad(set_to_none=False)
+            # keeps p.grad a view of it): nothing to copy
+            self._kvt_to_wire(wire, grad.detach())
         bucket.filled += 1
+
+    def _kvt_to_wire(self, wire: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._kvt_casts:
+            wire.copy_(grad)  # cast (fp16) and copy in one pass
+        else:
+            wire.view(-1).copy_(self._kvt_compression.compress(grad.reshape(-1))[0])
 
     def _kvt_send_ready(self) -> None:
         """Send the full buckets, in bucket order (the same order on every worker)."""
@@ -752,7 +776,9 @@ class _DistributedMixin:
             b = buckets[self._kvt_next]
             if b.filled < len(b.slots):
                 return
-            b.future = _state.comm.submit(_push_then_pull(b.key, b.host), first=True)
+            if self._kvt_prescale != 1.0:
+                b.flat.mul_(self._kvt_prescale)
+            b.future = _state.comm.submit(_pushpull_start(b.key, b.host), first=True)
             self._kvt_next += 1
 
     # -- Horovod's API
@@ -777,13 +803,16 @@ class _DistributedMixin:
             raise errors[0]
         with torch.no_grad():
             for b in self._kvt_buckets:
-                for p, lo, hi in b.slots:
-                    value = self._kvt_compression.decompress(b.flat[lo:hi], p.dtype)
-                    if p.grad is None or p.grad.is_sparse:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.copy_(value.view(p.shape))
-                    if self._kvt_postscale != 1.0:
-                        p.grad.mul_(self._kvt_postscale)
+                if not self._kvt_casts:
+                    for p, lo, hi in b.slots:
+                        value = self._kvt_compression.decompress(b.flat[lo:hi], p.dtype)
+                        b.grads[lo:hi].copy_(value.reshape(-1))
+                elif b.grads is not b.flat:
+                    b.grads.copy_(b.flat)  # from float16 (or float32 for bfloat16): one pass
+                if self._kvt_postscale != 1.0:
+                    b.grads.mul_(self._kvt_postscale)
+                for (p, _, _), view in zip(b.slots, b.grad_views, strict=True):
+                    p.grad = view
         self._kvt_reset()
         self._kvt_synchronized = True
 
@@ -826,12 +855,14 @@ class _DistributedMixin:
 _DistributedMixin.step.hooked = True
 
 
-def _push_then_pull(key: str, host: np.ndarray):
-    def push(kv):
-        kv.push(key, host)
-        return lambda kv: kv.pull(key, out=host)
+def _pushpull_start(key: str, host: np.ndarray):
+    """A bucket's job for the comm thread: one message per server carries the bucket out and
+    its sum back into the same buffer; the job returns the call's ``wait``."""
 
-    return push
+    def start(kv):
+        return kv.pushpull_async(key, host).wait
+
+    return start
 
 
 def _remove_hooks(handles) -> None:

@@ -88,6 +88,67 @@ def train(name, rank=None):
     return {k: v.detach().numpy() for k, v in m.state_dict().items()}
 
 
+# Buckets in flight: one parameter (or two) per bucket, each gradient a known input, each
+# backward slowed by a random delay per worker, so buckets leave and come back in a
+# different rhythm on each worker while several are in flight.
+FLIGHT_SIZES = [10, 30, 7, 50, 10, 20, 64, 3, 40, 5, 16, 33]
+FLIGHT_STEPS = 4
+FLIGHT_VARIANTS = {  # name: (DistributedOptimizer kwargs, zero_grad's set_to_none)
+    "fp32": ({}, True),
+    "fp32_accumulate_in_bucket": ({}, False),
+    "fp16": ({"compression": "fp16"}, True),
+}
+
+
+def flight_inputs(step, rank):
+    """What every parameter's gradient is on ``rank`` at ``step``."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(n, generator=g) for n in FLIGHT_SIZES]
+
+
+def buckets_in_flight(hvd, name) -> dict:
+    """Each step's averaged gradients (p.grad after synchronize) of one variant."""
+    import random
+    import time
+
+    class Delay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p, seconds):
+            ctx.seconds = seconds
+            return p.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(ctx.seconds)  # a slow layer, slower on one worker at random
+            return grad, None
+
+    kwargs, set_to_none = FLIGHT_VARIANTS[name]
+    kwargs = dict(kwargs, bucket_cap_mb=1e-4)
+    if kwargs.get("compression") == "fp16":
+        kwargs["compression"] = hvd.Compression.fp16
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in FLIGHT_SIZES]
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(params, lr=0.0),
+        named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
+        **kwargs,
+    )
+    rng = random.Random(hvd.rank())
+    out = {}
+    for step in range(FLIGHT_STEPS):
+        opt.zero_grad(set_to_none=set_to_none)
+        xs = flight_inputs(step, hvd.rank())
+        delays = [rng.uniform(0, 0.005) for _ in params]
+        parts = zip(params, xs, delays, strict=True)
+        loss = sum((Delay.apply(p, seconds) * x).sum() for p, x, seconds in parts)
+        loss.backward()
+        opt.synchronize()
+        for i, p in enumerate(params):
+            out[f"{step}.{i}"] = p.grad.numpy().copy()
+        with opt.skip_synchronize():
+            opt.step()
+    return out
+
+
 # ---------------------------------------------------------------- the worker
 
 
@@ -165,6 +226,8 @@ def worker(outdir: str) -> int:
     for name in SCENARIOS:
         np.savez(out / f"{name}.{hvd.rank()}.npz", **train(name, hvd.rank()))
     (out / f"collectives.{hvd.rank()}.json").write_text(json.dumps(collectives(hvd)))
+    for name in FLIGHT_VARIANTS:
+        np.savez(out / f"flight.{name}.{hvd.rank()}.npz", **buckets_in_flight(hvd, name))
     return 0  # no shutdown: the store closes at exit, as in a Horovod script
 
 
@@ -234,6 +297,22 @@ def test_collectives_across_workers(job):
         assert g["join_last"] == 0
     assert got[0]["join_grad"] == [0.5]  # rank 1 joined: its zeros in the average
     assert got[0]["join_sum"] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("name", list(FLIGHT_VARIANTS))
+def test_buckets_in_flight_average_exactly(job, name):
+    """Every worker gets exactly (g0 + g1) / 2 of its known gradients (fp16: of the gradients
+    rounded to float16, summed in float16), whatever order the buckets came back in."""
+    fp16 = "fp16" in name
+    for rank in range(WORKERS):
+        got = np.load(job / f"flight.{name}.{rank}.npz")
+        for step in range(FLIGHT_STEPS):
+            pairs = zip(flight_inputs(step, 0), flight_inputs(step, 1), strict=True)
+            for i, (g0, g1) in enumerate(pairs):
+                total = (g0.half() + g1.half()).float() if fp16 else g0 + g1
+                np.testing.assert_array_equal(
+                    got[f"{step}.{i}"], (total * 0.5).numpy(), err_msg=f"rank {rank} {step}.{i}"
+                )
 
 
 def mnist_accuracy(out: str) -> list[float]:
