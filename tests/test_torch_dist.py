@@ -109,7 +109,7 @@ def flight_inputs(step, rank):
 def buckets_in_flight(hvd, name) -> dict:
     """Each step's averaged gradients (p.grad after synchronize) of one variant."""
     import random
-    import time
+    import threading
 
     class Delay(torch.autograd.Function):
         @staticmethod
@@ -119,7 +119,7 @@ def buckets_in_flight(hvd, name) -> dict:
 
         @staticmethod
         def backward(ctx, grad):
-            time.sleep(ctx.seconds)  # a slow layer, slower on one worker at random
+            threading.Event().wait(ctx.seconds)  # a slow layer, slower on one rank at random
             return grad, None
 
     kwargs, set_to_none = FLIGHT_VARIANTS[name]
