@@ -71,6 +71,19 @@ def _few(keys: list, shown: int = 8) -> str:
     return f"[{text}, ... {len(keys) - shown} more]" if len(keys) > shown else f"[{text}]"
 
 
+def _arrays(given, meta, what: str, key, role: str) -> list:
+    """The arrays of one key of a call. The common case is checked at once: one host array
+    of the key's own shape and dtype (a number dtype: ``init`` checked it)."""
+    if (
+        type(given) is np.ndarray
+        and meta is not None
+        and given.dtype == meta.dtype
+        and given.shape == meta.shape
+    ):
+        return [given]
+    return _as_list(given, what, key, role)
+
+
 def _as_list(value, what: str, key, role: str = "value") -> list:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
@@ -184,14 +197,15 @@ class KVStore:
                     )
                 per_key[name] = list(given)
         items = []
+        meta_of = self._meta
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
+            meta = meta_of.get(key) if need_init else None
             item = Item(
                 key,
-                [] if values is _ABSENT else _as_list(v, what, key),
-                [] if outs is _ABSENT else _as_list(o, what, key, "out"),
+                [] if values is _ABSENT else _arrays(v, meta, what, key, "value"),
+                [] if outs is _ABSENT else _arrays(o, meta, what, key, "out"),
             )
             if need_init:
-                meta = self._meta.get(key)
                 if meta is None:
                     raise KeyError(
                         f"{what}(key={key!r}): key was never initialised; call init first"
