@@ -71,19 +71,6 @@ def _few(keys: list, shown: int = 8) -> str:
     return f"[{text}, ... {len(keys) - shown} more]" if len(keys) > shown else f"[{text}]"
 
 
-def _arrays(given, meta, what: str, key, role: str) -> list:
-    """The arrays of one key of a call. The common case is checked at once: one host array
-    of the key's own shape and dtype (a number dtype: ``init`` checked it)."""
-    if (
-        type(given) is np.ndarray
-        and meta is not None
-        and given.dtype == meta.dtype
-        and given.shape == meta.shape
-    ):
-        return [given]
-    return _as_list(given, what, key, role)
-
-
 def _as_list(value, what: str, key, role: str = "value") -> list:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
@@ -200,22 +187,30 @@ class KVStore:
         meta_of = self._meta
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
             meta = meta_of.get(key) if need_init else None
-            item = Item(
-                key,
-                [] if values is _ABSENT else _arrays(v, meta, what, key, "value"),
-                [] if outs is _ABSENT else _arrays(o, meta, what, key, "out"),
-            )
-            if need_init:
-                if meta is None:
-                    raise KeyError(
-                        f"{what}(key={key!r}): key was never initialised; call init first"
-                    )
-                for role, arrays in (("value", item.values), ("out", item.outs)):
-                    for a in arrays:
-                        if a.shape != meta.shape or a.dtype != meta.dtype:  # the rare case
-                            self._check(what, key, a, meta, role)
-            items.append(item)
+            given = [] if values is _ABSENT else self._arrays(v, meta, what, key, "value")
+            wanted = [] if outs is _ABSENT else self._arrays(o, meta, what, key, "out")
+            if need_init and meta is None:
+                raise KeyError(f"{what}(key={key!r}): key was never initialised; call init first")
+            items.append(Item(key, given, wanted))
         return items
+
+    def _arrays(self, given, meta, what: str, key, role: str) -> list:
+        """The arrays of one key of a call, checked against the key's ``meta`` (when known).
+        The common case is taken at once: one host array of the key's own shape and dtype
+        (a number dtype: ``init`` checked it)."""
+        if (
+            type(given) is np.ndarray
+            and meta is not None
+            and given.dtype == meta.dtype
+            and given.shape == meta.shape
+        ):
+            return [given]
+        arrays = _as_list(given, what, key, role)
+        if meta is not None:
+            for a in arrays:
+                if a.shape != meta.shape or a.dtype != meta.dtype:
+                    self._check(what, key, a, meta, role)
+        return arrays
 
     @staticmethod
     def _check(what, key, array, meta: Meta, role: str) -> None:
