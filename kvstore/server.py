@@ -491,7 +491,6 @@ class Server:
             view = segment.push.view(stored.dtype)
             view.flags.writeable = False
             found[index] = view
-            segment.counters[1] = seq
             self._shm_of[(rank, key)] = segment
         return found
 

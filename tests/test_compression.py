@@ -19,21 +19,9 @@ rng = np.random.default_rng(3)
 
 
 def ref_2bit(residual, grad, t):
-    """Hand-written MXNet 2-bit: codes 1 (+t), 2 (-t), 0; four per byte, first in low bits."""
-    residual = [r + g for r, g in zip(residual, grad, strict=True)]
-    codes, sent = [], []
-    for i, r in enumerate(residual):
-        code = 1 if r >= t else 2 if r <= -t else 0
-        q = t if code == 1 else -t if code == 2 else 0.0
-        residual[i] = r - q
-        codes.append(code)
-        sent.append(q)
-    codes += [0] * (-len(codes) % 4)
-    packed = bytes(
-        codes[i] | codes[i + 1] << 2 | codes[i + 2] << 4 | codes[i + 3] << 6
-        for i in range(0, len(codes), 4)
-    )
-    return packed, sent, residual
+    """Hand-written MXNet 2-bit: codes 1 (+t), 2 (-t), 0; four per byte, first in low bits
+    (Python floats: float64 arithmetic)."""
+    return typed_ref_2bit(residual, grad, t, float)
 
 
 def ref_1bit(residual, grad):

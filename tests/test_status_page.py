@@ -226,23 +226,16 @@ def test_nothing_at_ps_verbose_2_shows_the_secret_or_the_token(cluster, tmp_path
 def test_status_token_command_prints_the_derived_token(tmp_path):
     env = {**os.environ, "KVSTORE_SECRET": _Cfg.secret.decode(), "PYTHONPATH": str(ROOT)}
     env.pop("KVSTORE_SECRET_FILE", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "kvstore", "status-token"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def status_token():
+        command = [sys.executable, "-m", "kvstore", "status-token"]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    done = status_token()
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == page_token(_Cfg.secret)
     env.pop("KVSTORE_SECRET")
-    done = subprocess.run(
-        [sys.executable, "-m", "kvstore", "status-token"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = status_token()
     assert done.returncode == 2 and "no job secret" in done.stderr, done.stderr
 
 
