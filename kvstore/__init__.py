@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 # whatever the user configured; the entry points (scheduler, server, launcher) set up stderr.
 _logging.getLogger("kvstore").addHandler(_logging.NullHandler())
 
-TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
+TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_ssp", "dist_async")
 
 # Every name MXNet's KVStore::Create gives a meaning (any letter case), with what it means
 # here. MXNet reads the name by substrings: 'dist' -> distributed, '_async' -> asynchronous,
@@ -43,17 +43,22 @@ ALIASES = {
     "dist_sync": "dist_sync",
     "dist_device_sync": "dist_device_sync",
     "dist_sync_device": "dist_device_sync",
+    "dist_ssp": "dist_ssp",
     "dist_async": "dist_async",
     "dist_async_device": "dist_async",
     "dist_device_async": "dist_async",
 }
 
 
-def create(name: str = "local") -> KVStore:
+def create(name: str = "local", staleness=None) -> KVStore:
     """Create a store by MXNet's name: ``local``, ``device``, ``dist_sync`` (or ``dist``),
     ``dist_device_sync`` (or ``dist_sync_device``), ``dist_async``; any letter case, and
     every other name MXNet accepts (see :data:`ALIASES`). ``kv.type`` is the name given,
     in lower case, as in MXNet.
+
+    ``dist_ssp`` is bounded staleness: ``staleness`` rounds (an int, or ``'inf'``; default
+    ``KVSTORE_STALENESS``, else 2) that a worker may run ahead of the slowest (README,
+    "Bounded staleness").
 
     A distributed type reads the cluster from the ``DMLC_*`` environment (set by the launcher)
     and returns once every node has registered. In a process started with
@@ -71,11 +76,13 @@ def create(name: str = "local") -> KVStore:
             f"unknown KVStore type {name!r}; valid types: {', '.join(TYPES)} (and MXNet's "
             f"names {', '.join(n for n in ALIASES if n not in TYPES)}, in any letter case)"
         )
+    if staleness is not None and kind != "dist_ssp":
+        raise ValueError(f"kvstore.create({name!r}): staleness= is for 'dist_ssp' only")
     if kind in ("local", "device"):
         store = LocalStore(kind)
     else:
         from .worker import create_dist
 
-        store = create_dist(kind)
+        store = create_dist(kind, staleness)
     store._type = given
     return store

@@ -38,6 +38,7 @@ class Config:
     start_timeout: float = 60.0
     request_timeout: float = 600.0
     round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
+    staleness: float = 2  # KVSTORE_STALENESS: dist_ssp's bound in rounds; inf: as dist_async
     stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
@@ -85,6 +86,7 @@ class Config:
             start_timeout=_number(env, "KVSTORE_START_TIMEOUT", 60.0, float, low=0.1),
             request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
             round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 0.0, float, low=0.0),
+            staleness=staleness_of(env.get("KVSTORE_STALENESS"), "KVSTORE_STALENESS"),
             stall_report=_number(env, "KVSTORE_STALL_REPORT", 60.0, float, low=0.0),
             heartbeat_interval=interval,
             heartbeat_timeout=_number(
@@ -229,6 +231,25 @@ def _require(env, name: str) -> str:
     value = env.get(name, "")
     if not value:
         raise ConfigError(f"{name} is not set: the launcher sets it (see launch.py -h)")
+    return value
+
+
+def staleness_of(raw, where: str) -> float:
+    """``dist_ssp``'s bound: a count of rounds (an int >= 0), or ``inf`` for no bound (the
+    store then behaves as ``dist_async``). Unset: 2."""
+    if raw is None or raw == "":
+        return 2
+    if isinstance(raw, str) and raw.strip().lower() in ("inf", "infinite", "infinity"):
+        return float("inf")
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0 or value >= 2**31 or (isinstance(raw, float) and raw != value):
+        raise ConfigError(
+            f"{where}={raw!r}: expected a number of rounds (an int >= 0) or 'inf' "
+            "(no bound: dist_async)"
+        )
     return value
 
 

@@ -501,6 +501,22 @@ class Membership:
             f"stall: {what} has waited {b['age']:.0f}s for worker(s) {b['missing']} "
             f"(pushed by {b['present']}): {'; '.join(parts)} ({self._deadline()})"
         )
+        clocks = b.get("clocks")
+        if (
+            isinstance(clocks, list)
+            and len(clocks) == len(workers)
+            and all(type(c) is int for c in clocks)
+            and b["waiting"]
+        ):
+            # dist_ssp: the waiting workers are held back by the bound, not by a sync round
+            slowest = min(range(len(clocks)), key=clocks.__getitem__)
+            ahead = ", ".join(f"worker {r} at clock {clocks[r]}" for r in b["waiting"])
+            text = (
+                f"stall: dist_ssp holds back {ahead} on key {b['key']} ({server.name}): "
+                f"the slowest, worker {slowest}, is at clock {clocks[slowest]} and the bound is "
+                f"KVSTORE_STALENESS={b.get('staleness')}; {'; '.join(parts)} "
+                f"({self._deadline()})"
+            )
         actions: list = [StallSeen(what, b, text)]
         every = self.cfg.stall_report
         logged = bool(every and b["age"] >= every and now >= self._round_logs.get(what, 0.0))

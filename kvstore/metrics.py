@@ -51,6 +51,7 @@ BUCKETS = (
     30.0,
     60.0,
 )
+STALE_MAX = 64  # dist_ssp staleness histogram: reads n rounds behind, n up to this (and more)
 TOP = 20  # keys (and server parts) by bytes that each heartbeat carries
 _PUSHES = ("push", "pushpull")
 _PULLS = ("pull", "pushpull")
@@ -71,10 +72,12 @@ class NodeMetrics:
         self.bytes_pushed = self.bytes_pulled = 0
         self.hist: dict[str, list] = {}  # call -> [count per bucket..., +Inf count, sum]
         self.keys: dict = {}  # key -> [bytes, rounds, last latency]
+        self.clock = 0  # dist_ssp: this worker's pushes of its most pushed key
         # a server's
         self.requests: dict[str, int] = {}
         self.bytes_in = self.bytes_out = 0
         self.parts: dict = {}  # (key, part) -> [bytes, requests]
+        self.staleness: list = []  # dist_ssp: reads answered n rounds behind the reader, per n
 
     # ---- a worker's calls
     def done(self, kind: str, items, seconds: float) -> None:
@@ -132,6 +135,14 @@ class NodeMetrics:
             rec[0] += size * (push + pull)
             rec[1] += 1
 
+    def stale(self, lag: int) -> None:
+        """A ``dist_ssp`` read answered ``lag`` of the reader's rounds before they completed."""
+        lag = min(lag, STALE_MAX)
+        counts = self.staleness
+        if len(counts) <= lag:
+            counts.extend([0] * (lag + 1 - len(counts)))
+        counts[lag] += 1
+
     # ---- the heartbeat's view
     def snapshot(self) -> dict:
         keys = list(self.keys.items())
@@ -156,6 +167,8 @@ class NodeMetrics:
             "bout": self.bytes_out,
             "parts": [[_wire_key(k[0]), k[1], r[0], r[1]] for k, r in top_parts],
             "nparts": len(parts),
+            "clock": self.clock,
+            "stale": list(self.staleness),
             "rss": resident_bytes(),
             "cpu": time.process_time(),
         }
@@ -273,7 +286,7 @@ def _span_args(kind: str, items, ok: bool) -> dict:
 
 # ---- the scheduler's check of what a node sent
 _NUMBERS = ("for", "pushes", "pulls", "rounds", "bp", "bl", "nkeys", "bin", "bout", "nparts")
-_NUMBERS += ("rss", "cpu")
+_NUMBERS += ("rss", "cpu", "clock")
 
 
 def clean(raw) -> dict:
@@ -293,6 +306,10 @@ def clean(raw) -> dict:
         if not isinstance(counts, list) or len(counts) != len(BUCKETS) + 2:
             raise ValueError("metrics: bad histogram")
         out["hist"][_text(kind, 32)] = [_number(c, "hist") for c in counts]
+    stale = raw.get("stale", [])
+    if not isinstance(stale, list) or len(stale) > STALE_MAX + 1:
+        raise ValueError("metrics: bad stale")
+    out["stale"] = [_number(c, "stale") for c in stale]
     out["keys"] = [
         [_key(k), _number(b, "key"), _number(r, "key"), _number(t, "key")]
         for k, b, r, t in _rows(raw.get("keys", []), 4)

@@ -75,9 +75,16 @@ class Planner:
     """Key placement, and routes per key set (cached)."""
 
     def __init__(
-        self, num_server: int, bigarray_bound: int, shm_servers=frozenset(), piece_bytes: int = 0
+        self,
+        num_server: int,
+        bigarray_bound: int,
+        shm_servers=frozenset(),
+        piece_bytes: int = 0,
+        staleness: int | None = None,
     ):
         self.num_server = num_server
+        # dist_ssp's bound: every push and pull says it, so the servers apply its rule
+        self._mode = {} if staleness is None else {"ssp": staleness}
         self.bigarray_bound = bigarray_bound
         self.piece_bytes = piece_bytes  # a message carries about this much at most (0: any)
         self.shm_servers = frozenset(shm_servers)
@@ -147,7 +154,7 @@ class Planner:
     # ---- calls
     def pull(self, keys) -> list[Outgoing]:
         return [
-            Outgoing(leg.server, "pull", leg.keys, leg.wire, {}, ())
+            Outgoing(leg.server, "pull", leg.keys, leg.wire, self._mode, ())
             for leg in self.route(tuple(keys), False)
         ]
 
@@ -160,7 +167,7 @@ class Planner:
         """``kind`` is ``push`` or ``pushpull``; ``flats`` one flat host array per key (cast
         to the stored dtype here). With ``compression``, the codes travel instead of the
         values, and each message carries the residuals to keep once it is sent."""
-        body: dict = {"sync": sync}
+        body: dict = {"sync": sync, **self._mode}
         if compression is not None:
             body["compression"] = compression.params()
         return self._with_values(kind, keys, flats, body, compression, residuals or {})

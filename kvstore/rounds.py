@@ -18,6 +18,15 @@ tests drive it with events alone (``tests/test_rounds.py``, against a sequential
 - A round that a finished worker never pushed, or that stays open past the round deadline, can
   never complete correctly: every request that needs it fails, naming the cause.
 
+``dist_ssp`` (bounded staleness ``s``, the ``staleness`` argument; 0 is ``dist_sync``): rounds
+complete and are applied exactly as in ``dist_sync``; only the answers come sooner. A worker's
+clock on a key is the number of its pushes of it.
+
+- A push that takes its worker to clock ``c`` is answered once rounds ``0 .. c-s-1`` are
+  complete, so a worker never has more than ``s`` answered pushes beyond the slowest worker.
+- A pull at clock ``c`` is answered once rounds ``0 .. c-s-1`` are complete: it reads every
+  worker's pushes of those clocks, and never a round the reader has not pushed itself.
+
 ``dist_async``: a push is applied on arrival (:class:`Apply` with ``accumulate``) and
 answered; a pull is answered at once.
 
@@ -65,7 +74,8 @@ class Fail(NamedTuple):
 @dataclass(frozen=True)
 class Stall:
     """A round that waits: for whom, how long each has been silent on the key (seconds since
-    its last push of it; -1: never pushed), who pushed it, and the requests waiting on it."""
+    its last push of it; -1: never pushed), who pushed it, and the requests waiting on it.
+    Under ``dist_ssp`` also the bound and every worker's clock (its pushes of the key)."""
 
     key: Hashable
     round: int
@@ -74,6 +84,8 @@ class Stall:
     silent: list
     present: list
     waiting: list
+    staleness: int | None = None
+    clocks: list | None = None
 
 
 @dataclass(eq=False)
@@ -91,6 +103,7 @@ class _Key:
     waiting: dict = field(default_factory=lambda: defaultdict(list))  # rounds done -> [request]
     dead_from: int | None = None  # rounds from this one on can never complete
     dead_why: str = ""
+    staleness: int | None = None  # dist_ssp's bound, from its first request (None: dist_sync)
 
 
 class Rounds:
@@ -120,8 +133,12 @@ class Rounds:
             state.spare = buffer
 
     # ---- events
-    def push(self, request, rank: int, grads: list, sync: bool, now: float) -> list:
-        """``grads``: ``[(key, array)]``, the keys known and the arrays checked by the caller."""
+    def push(
+        self, request, rank: int, grads: list, sync: bool, now: float, staleness: int | None = None
+    ) -> list:
+        """``grads``: ``[(key, array)]``, the keys known and the arrays checked by the caller.
+        ``staleness``: ``dist_ssp``'s bound (``None``: ``dist_sync``); under it a push is
+        answered before its round completes, so the caller gives arrays nobody writes to."""
         actions: list = []
         self._requests[request] = len(grads)
         for key, grad in grads:
@@ -129,6 +146,10 @@ class Rounds:
             if not sync:
                 actions.append(Apply(key, grad, accumulate=True))
                 self._key_ready(request, actions)
+                continue
+            wrong = self._check_staleness(state, rank, staleness)
+            if wrong:
+                self._fail(request, wrong, actions)
                 continue
             if rank in self.joined_ranks:
                 self._fail(
@@ -146,7 +167,11 @@ class Rounds:
             if state.dead_from is not None and n >= state.dead_from:
                 self._fail(request, state.dead_why, actions)
                 continue
-            state.waiting[n + 1].append(request)
+            need = n + 1 - (staleness or 0)
+            if need <= state.done:
+                self._key_ready(request, actions)
+            else:
+                state.waiting[need].append(request)
             if n == state.done:
                 self._add(state, grad, now)
             else:
@@ -154,13 +179,17 @@ class Rounds:
             self._advance(state, now, actions)
         return actions
 
-    def pull(self, request, rank: int, keys: list) -> list:
-        """A pull waits, per key, for the rounds this worker has pushed."""
+    def pull(self, request, rank: int, keys: list, staleness: int | None = None) -> list:
+        """A pull waits, per key, for the rounds this worker has pushed (less ``staleness``)."""
         actions: list = []
         self._requests[request] = len(keys)
         for key in keys:
             state = self.keys[key]
-            need = state.pushed[rank]
+            wrong = self._check_staleness(state, rank, staleness)
+            if wrong:
+                self._fail(request, wrong, actions)
+                continue
+            need = state.pushed[rank] - (staleness or 0)
             if state.done >= need:
                 self._key_ready(request, actions)
             elif state.dead_from is not None and need > state.dead_from:
@@ -226,6 +255,14 @@ class Rounds:
             self._kill(state, state.done, text, actions)
         return actions
 
+    # ---- clocks (dist_ssp's staleness metric)
+    def rounds_done(self, key: Hashable) -> int:
+        return self.keys[key].done
+
+    def clock(self, key: Hashable, rank: int) -> int:
+        """``rank``'s pushes of ``key`` so far."""
+        return self.keys[key].pushed[rank]
+
     # ---- what is waiting (for stall reports)
     def stalled(self, now: float, after: float) -> list[Stall]:
         """The rounds open for ``after`` seconds or more."""
@@ -239,6 +276,8 @@ class Rounds:
                 now - state.last_push[r] if state.last_push[r] >= 0 else -1.0 for r in missing
             ]
             waiting = [q for n, qs in state.waiting.items() if n > state.done for q in qs]
+            if not waiting:  # dist_ssp: workers ahead within the bound wait for nothing
+                continue
             found.append(
                 Stall(
                     key,
@@ -248,11 +287,26 @@ class Rounds:
                     silent,
                     self._present(state),
                     waiting,
+                    state.staleness,
+                    list(state.pushed) if state.staleness else None,
                 )
             )
         return found
 
     # ---- internals
+    def _check_staleness(self, state: _Key, rank: int, staleness: int | None) -> str:
+        """Every request of a key must use one bound: the rules would disagree otherwise."""
+        if state.staleness == staleness:
+            return ""
+        if state.staleness is None and not any(state.pushed):
+            state.staleness = staleness  # the key's first request sets it
+            return ""
+        return (
+            f"worker {rank} uses {_mode(staleness)} for key {self.describe(state.name)}, "
+            f"but the key's earlier requests used {_mode(state.staleness)}: every worker must "
+            "create the same store type with the same KVSTORE_STALENESS"
+        )
+
     def _add(self, state: _Key, grad: np.ndarray, now: float) -> None:
         if state.count == 0:
             state.first, state.started = grad, now
@@ -350,3 +404,7 @@ class Rounds:
     def _fail(self, request, text: str, actions: list) -> None:
         if self._requests.pop(request, None) is not None:
             actions.append(Fail(request, text))
+
+
+def _mode(staleness: int | None) -> str:
+    return "dist_sync" if staleness is None else f"dist_ssp with staleness {staleness}"

@@ -231,6 +231,8 @@ class Server:
                 "present": stall.present,
                 "waiting": waiting,
             }
+            if stall.clocks is not None:
+                body["clocks"], body["staleness"] = stall.clocks, stall.staleness
             self.control.send("stalled", body)
 
     def _on_fail_round(self, msg: Message) -> None:
@@ -285,6 +287,8 @@ class Server:
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
         arrays, body = [self.stored[k] for k in keys], {"keys": req.msg.body["keys"]}
+        if "ssp" in req.msg.body:
+            self._count_staleness(req, keys)
         # a same-host worker reads big values from its shared segment, for the keys it says
         # it has no other reply in flight for (so the region is read before it is written)
         wanted = req.msg.body.get("shm_pull")
@@ -299,6 +303,13 @@ class Server:
                     arrays[i] = arrays[i][:0]
                     body.setdefault("shm", []).append(i)
         self._send(req.identity, Message("data", req.msg.id, self.name, body, arrays), keys)
+
+    def _count_staleness(self, req: Request, keys: list) -> None:
+        """``dist_ssp``: how many of the reader's rounds each read is behind."""
+        rank, m = self._ranks.get(req.identity, -1), self.control.metrics
+        if m is not None:
+            for key in keys:
+                m.stale(max(self.rounds.clock(key, rank) - self.rounds.rounds_done(key), 0))
 
     # ---- carrying out the rounds' actions
     def _execute(self, actions: list) -> None:
@@ -534,13 +545,17 @@ class Server:
     def _on_push(self, identity, rank, msg) -> None:
         grads = self._grads(msg, self._keys(msg), rank)
         sync = bool(msg.body.get("sync", True))
+        staleness = _staleness(msg)
+        if staleness and self._shm_of:  # kept past its answer: the worker may write it again
+            grads = [(k, g.copy() if _in_segment(g) else g) for k, g in grads]
         now = time.monotonic()
-        self._execute(self.rounds.push(Request(identity, msg), rank, grads, sync, now))
+        request = Request(identity, msg)
+        self._execute(self.rounds.push(request, rank, grads, sync, now, staleness))
 
     @metrics.served
     def _on_pull(self, identity, rank, msg) -> None:
         keys = self._keys(msg)
-        self._execute(self.rounds.pull(Request(identity, msg), rank, keys))
+        self._execute(self.rounds.pull(Request(identity, msg), rank, keys, _staleness(msg)))
 
     def _on_optimizer(self, identity, rank, msg) -> None:
         """Every worker sends its optimizer; the first installs it, the same spec again keeps
@@ -566,6 +581,16 @@ class Server:
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")
+
+
+def _staleness(msg: Message) -> int | None:
+    """``dist_ssp``'s bound a request carries (None: not ``dist_ssp``)."""
+    s = msg.body.get("ssp")
+    if s is None:
+        return None
+    if type(s) is not int or not 0 <= s < 2**31:
+        raise ValueError(f"ssp: expected a staleness bound in [0, 2**31), got {s!r:.40}")
+    return s
 
 
 def _peer_of(frame) -> bytes:

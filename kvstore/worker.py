@@ -20,6 +20,7 @@ so a late reply never writes into the caller's arrays.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import os
@@ -34,7 +35,7 @@ import zmq
 
 from . import auth, metrics, shm, transport
 from .arrays import namespace, reduce_sum, to_host
-from .config import Config, setup_logging, warn_if_insecure
+from .config import Config, setup_logging, staleness_of, warn_if_insecure
 from .control import Control, raise_for
 from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
@@ -94,7 +95,7 @@ def _close_at_exit(ref) -> None:
         store._close_quietly()
 
 
-def create_dist(kind: str) -> KVStore:
+def create_dist(kind: str, staleness=None) -> KVStore:
     """Build the store for this process's ``DMLC_ROLE``; servers and schedulers never return."""
     if sys.excepthook is not _note_uncaught:  # first: a bad setting exits 2 too
         global _previous_hook
@@ -108,6 +109,8 @@ def create_dist(kind: str) -> KVStore:
     setup_logging(cfg.verbose, "worker")
     warn_if_insecure(cfg, log)
     tune_allocator()
+    if staleness is not None:
+        cfg = dataclasses.replace(cfg, staleness=staleness_of(staleness, "staleness"))
     return DistStore(kind, cfg)
 
 
@@ -127,7 +130,12 @@ class DistStore(KVStore):
     def __init__(self, kind: str, cfg: Config):
         super().__init__(kind)
         self.cfg = cfg
-        self._sync = kind != "dist_async"
+        ssp = kind == "dist_ssp"
+        self._sync = kind != "dist_async" and not (ssp and cfg.staleness == float("inf"))
+        # dist_ssp's bound (None: not dist_ssp, or unbounded and so dist_async)
+        self._staleness = int(cfg.staleness) if ssp and self._sync else None
+        self._unacked: dict = {}  # dist_ssp: key -> ids of its last push's requests
+        self._clocks: dict = {}  # dist_ssp: key -> this worker's pushes of it
         self._on_device = kind == "dist_device_sync"
         self._ctx = zmq.Context()
         self._cred = auth.Credential.make(cfg)
@@ -169,7 +177,9 @@ class DistStore(KVStore):
             "barrier_done": self._on_answer,
             "join_done": self._on_answer,
         }
-        self._planner = Planner(len(self._servers), cfg.bigarray_bound, (), cfg.piece_bytes)
+        self._planner = Planner(
+            len(self._servers), cfg.bigarray_bound, (), cfg.piece_bytes, self._staleness
+        )
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
         self._segments = shm.WorkerSegments(self._rank)
@@ -514,8 +524,29 @@ class DistStore(KVStore):
     def _push(self, items):
         """Send, and return once ZeroMQ has let go of the caller's buffers (they may be
         reused); the acknowledgements are collected by later calls."""
-        _, trackers = self._commit("push", self._push_plan("push", items))
+        if self._staleness is not None:
+            self._bound("push", items)
+        ids, trackers = self._commit("push", self._push_plan("push", items))
+        if self._staleness is not None:
+            for item in items:
+                self._unacked[item.key] = ids
         self._wait("push", ids=(), trackers=trackers)
+
+    def _bound(self, what: str, items) -> None:
+        """``dist_ssp``: a worker pushes a key again only once its last push of it was
+        answered, which the servers do once it is at most ``staleness`` rounds ahead of the
+        slowest worker; and its clock (for the status page) advances."""
+        unacked, requests, clocks = self._unacked, self._requests, self._clocks
+        ids = [i for item in items for i in unacked.pop(item.key, ()) if i in requests]
+        if ids:
+            self._wait(f"{what} (dist_ssp: {self._staleness} rounds ahead of the slowest)", ids)
+        clock = 0
+        for item in items:
+            clock = max(clock, clocks.get(item.key, 0) + 1)
+            clocks[item.key] = clocks.get(item.key, 0) + 1
+        m = self._control.metrics
+        if m is not None and clock > m.clock:
+            m.clock = clock
 
     @metrics.observed("pull")
     def _pull(self, items):
@@ -525,14 +556,21 @@ class DistStore(KVStore):
 
     @metrics.observed("pushpull")
     def _pushpull(self, items):
+        if self._staleness is not None:
+            self._bound("pushpull", items)
         collector = self._collector(items)
         ids, trackers = self._commit("pushpull", self._push_plan("pushpull", items), collector)
         self._collect("pushpull", ids, trackers, collector)
 
     def _pushpull_start(self, items) -> Pending:
         """Send now; the returned handle's ``wait`` collects (see ``pushpull_async``)."""
+        if self._staleness is not None:
+            self._bound("pushpull", items)
         collector = self._collector(items)
         ids, trackers = self._commit("pushpull", self._push_plan("pushpull", items), collector)
+        if self._staleness is not None:
+            for item in items:
+                self._unacked[item.key] = ids
         return Pending(lambda: self._collect("pushpull", ids, trackers, collector))
 
     def _collector(self, items) -> Collector:
