@@ -14,6 +14,13 @@ as PyTorch's DistributedSampler), computes the mean gradient of its batch (split
 and pushes it; the optimizer divides the sum by the number of workers (``rescale_grad``). So
 W workers with batch B take exactly the steps one process takes with batch W x B.
 
+``--kv-store dist_ssp`` is bounded staleness (``KVSTORE_STALENESS``, default 2): a worker may
+run that many steps ahead of the slowest. ``--step-ms`` makes every step sleep that long (a
+bigger model's compute) and ``--slow F`` makes a straggler sleep F times as long::
+
+    python launch.py -n 4 -s 1 python examples/train_mlp.py --kv-store dist_ssp \
+        --step-ms 20 --slow 3
+
 With ``--block-size N`` (block momentum, CNTK's BMUF) each worker instead trains its own copy
 with the local optimizer and exchanges the model once every N samples (counted over all
 workers, as CNTK): the servers apply the outer block-momentum step (``kvstore.block``)::
@@ -79,6 +86,25 @@ def parse_args(argv=None):
         "calls kv.join() when its partition runs out, and the others train on",
     )
     p.add_argument("--save-weights", help="rank 0 writes the final weights here (.npz)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="every step sleeps this many milliseconds more: a bigger model's compute",
+    )
+    p.add_argument(
+        "--slow",
+        type=float,
+        default=1.0,
+        help="a straggler sleeps this many times --step-ms; see --slow-rank",
+    )
+    p.add_argument(
+        "--slow-rank",
+        type=int,
+        default=-1,
+        help="the straggler: this rank on every step; -1: a rank drawn at random each step "
+        "(the same draw on every worker), as noisy neighbours make one",
+    )
     p.add_argument(
         "--block-size",
         type=int,
@@ -227,6 +253,7 @@ def evaluate(params: dict, x, y) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    began = time.perf_counter()
     kv = kvstore.create(args.kv_store)
     rank, workers = kv.rank, kv.num_workers
     (x_train, y_train), (x_test, y_test) = load_data(args.seed)
@@ -310,11 +337,15 @@ def main(argv=None) -> int:
         if args.uneven:  # rank r has 30% * r / (W - 1) fewer batches than rank 0
             my_steps = int(steps_per_epoch * (1 - 0.3 * rank / max(1, workers - 1)))
         started, total_loss, total_correct, seen = time.perf_counter(), 0.0, 0, 0
+        stragglers = np.random.default_rng(args.seed + 1000 + epoch).integers(0, workers, my_steps)
         for s in range(my_steps):
             if args.max_steps and step >= args.max_steps:
                 break
             idx = mine[s * args.batch_size : (s + 1) * args.batch_size]
             loss, correct = train_batch(store, x_train[idx], y_train[idx], args.num_devices)
+            if args.step_ms:  # compute a bigger model would take (a straggler's: --slow x)
+                straggler = stragglers[s] if args.slow_rank < 0 else args.slow_rank
+                time.sleep(args.step_ms / 1000 * (args.slow if rank == straggler else 1.0))
             total_loss, total_correct, seen = (
                 total_loss + loss,
                 total_correct + correct,
@@ -339,6 +370,9 @@ def main(argv=None) -> int:
         if args.max_steps and step >= args.max_steps:
             break
 
+    if args.kv_store == "dist_ssp":  # every round in: all workers end with the same model
+        kv.barrier()
+        kv.pull(list(PARAMS), out=[params[k] for k in PARAMS])
     if args.block_size:
         store.finish()  # the last, partial block: every worker ends with the same model
         pushes = store.blocks
@@ -351,7 +385,11 @@ def main(argv=None) -> int:
         flush=True,
     )
     accuracy = evaluate({k: to_host(v) for k, v in params.items()}, x_test, y_test)
-    print(f"rank {rank}: test accuracy {accuracy:.4f} after {step} steps", flush=True)
+    print(
+        f"rank {rank}: test accuracy {accuracy:.4f} after {step} steps "
+        f"in {time.perf_counter() - began:.1f}s",
+        flush=True,
+    )
     if args.save_weights and rank == 0:
         np.savez(args.save_weights, **params)
     kv.close()
