@@ -32,12 +32,22 @@ store-and-forward (the whole bucket in, the sum, the whole bucket out), where a 
 pipelines inside a bucket; since a bucket became one message, 1, 5 and 25 MB buckets give
 ResNet-18 steps within 10% of each other on this project's 2-core machine (README).
 
-Collectives (``allreduce``, ``allgather``, ``broadcast*``) are sums on the store's keys:
-a broadcast is the root's tensor plus zeros from everyone else (exact), a gather puts each
-rank's rows at its offset in zeros. Each distinct (name, dtype, shape) is a key, initialised
-(collectively) on first use and reused after. ``broadcast_object`` and
-``broadcast_optimizer_state`` serialise with pickle, between the workers of one job (as
-Horovod's cloudpickle); the servers only ever see bytes.
+Collectives are sums on the store's keys, because the servers only sum: a broadcast is the
+root's tensor plus zeros from everyone else (exact), a gather puts each rank's rows at its
+offset in zeros; Min, Max and Product gather every worker's tensor and reduce it on each
+worker; reducescatter sums the whole tensor and keeps this worker's rows; alltoall gathers
+every worker's rows and keeps the ones sent here. Each distinct (name, dtype, shape) is a
+key, initialised (collectively) on first use and reused after. Before its data, every call
+the user makes sends one small round that compares the workers' names, dtypes and shapes,
+so a mismatch raises on every worker instead of leaving some waiting on a key the others
+never push (the optimizer's buckets and SyncBatchNorm's statistics skip it: their shapes
+come from the model). The ``*_async`` forms hand the same work to the store's thread and
+return a handle for :func:`poll` and :func:`synchronize`. ``broadcast_object``,
+``allgather_object`` and ``broadcast_optimizer_state`` serialise with pickle, between the
+workers of one job (as Horovod's cloudpickle); the servers only ever see bytes.
+
+Process sets: only the global one (a server completes a round when every worker pushed).
+Adasum: not supported (NotImplementedError).
 
 Requires the ``torch`` extra (``pip install 'kvstore-ps[torch]'``). Tensors travel through host
 memory as NumPy arrays; the store must sum (``dist_sync``, ``dist_device_sync``, ``local``,
@@ -395,6 +405,7 @@ def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
                 f"MXNet's names for them), not {kv.type!r}"
             )
         _state.kv, _state.owned, _state.keys = kv, owned, set()
+        _state.handles, _state.tracer = {}, None
         _state.comm = _Comm(kv)
         # Registered after the store's own (atexit runs last first): the thread finishes
         # what is in flight and closes the store before anything else touches it.
@@ -429,6 +440,7 @@ def shutdown() -> None:
             return
         _state.comm = _state.kv = None
         try:
+            comm.run(_end_timeline)
             if owned:
                 comm.run(lambda kv: kv.close())
         finally:
@@ -1610,17 +1622,17 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop recording (see :func:`start_timeline`) and close the file; nothing if none is
     being recorded."""
-    st = _require()
-    control = getattr(st.kv, "_control", None)
+    _require().comm.run(_end_timeline)
 
-    def end(kv):
-        tracer, _state.tracer = _state.tracer, None
-        if tracer is not None:
-            if control is not None and control.tracer is tracer:
-                control.tracer = None
-            tracer.close()
 
-    st.comm.run(end)
+def _end_timeline(kv: KVStore) -> None:
+    tracer, _state.tracer = _state.tracer, None
+    if tracer is None:
+        return
+    control = getattr(kv, "_control", None)
+    if control is not None and control.tracer is tracer:
+        control.tracer = None
+    tracer.close()
 
 
 # ---------------------------------------------------------------- DistributedOptimizer
