@@ -108,6 +108,7 @@ __all__ = [
     "allreduce_async",
     "allreduce_async_",
     "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -125,11 +126,13 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
     "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",
@@ -142,6 +145,7 @@ __all__ = [
     "poll",
     "rank",
     "reducescatter",
+    "reducescatter_async",
     "remove_process_set",
     "rocm_built",
     "shutdown",
@@ -1096,6 +1100,16 @@ def grouped_allgather(
     return _run(_allgather_work("grouped_allgather", tensors, _grouped_names(name, len(tensors))))
 
 
+def grouped_allgather_async(
+    tensors: list, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`grouped_allgather`, started: :func:`synchronize` returns the list."""
+    tensors = _check_tensors("grouped_allgather_async", tensors)
+    _check_process_set(process_set)
+    names = _grouped_names(name, len(tensors))
+    return _start(_allgather_work("grouped_allgather", tensors, names))
+
+
 def allgather_object(obj, name: str | None = None) -> list:
     """Every worker's ``obj``, in rank order (pickled between the workers of this job).
 
@@ -1199,6 +1213,16 @@ def alltoall(
     return out if splits is None else (out, received)
 
 
+def alltoall_async(
+    tensor: torch.Tensor, splits=None, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`alltoall`, started: :func:`synchronize` returns ``(rows, received_splits)``
+    (as Horovod's, with or without ``splits``)."""
+    _check_tensor("alltoall_async", tensor)
+    _check_process_set(process_set)
+    return _start(_alltoall_work(tensor, splits, name))
+
+
 # ---------------------------------------------------------------- reducescatter
 
 
@@ -1282,6 +1306,43 @@ def grouped_reducescatter(
         name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed]
     )
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """:func:`reducescatter`, started: :func:`synchronize` returns this worker's rows."""
+    _check_tensor("reducescatter_async", tensor)
+    _check_process_set(process_set)
+    work = _reducescatter_work(
+        "reducescatter", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+    )
+    return _start(_then(work, lambda outs: outs[0]))
+
+
+def grouped_reducescatter_async(
+    tensors: list,
+    name: str | None = None,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """:func:`grouped_reducescatter`, started: :func:`synchronize` returns the list."""
+    tensors = _check_tensors("grouped_reducescatter_async", tensors)
+    _check_process_set(process_set)
+    names = _grouped_names(name, len(tensors))
+    detached = [t.detach() for t in tensors]
+    return _start(
+        _reducescatter_work(
+            "grouped_reducescatter", detached, names, op, prescale_factor, postscale_factor
+        )
+    )
 
 
 # ---------------------------------------------------------------- broadcast

@@ -309,6 +309,13 @@ def test_reducescatter_alltoall_allgather_object():
         hvd.alltoall(t, splits=[1, 1])
     with pytest.raises(ValueError, match="add up to 4, more than the tensor's first dimension"):
         hvd.alltoall(t, splits=[4])
+    out, received = hvd.synchronize(hvd.alltoall_async(t))  # always both, as Horovod
+    assert torch.equal(out, t) and received.tolist() == [3]
+    assert torch.equal(hvd.synchronize(hvd.reducescatter_async(t, op=hvd.Sum)), t)
+    [rs] = hvd.synchronize(hvd.grouped_reducescatter_async([t], postscale_factor=2))
+    assert torch.equal(rs, 2 * t)
+    [ga] = hvd.synchronize(hvd.grouped_allgather_async([t]))
+    assert torch.equal(ga, t)
     obj = {"a": [1, 2], "t": torch.ones(1)}
     [back] = hvd.allgather_object(obj)
     assert back["a"] == [1, 2] and torch.equal(back["t"], obj["t"])

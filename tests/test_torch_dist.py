@@ -241,6 +241,10 @@ def horovod_api(hvd, trace: str) -> dict:
     ]
     rows, received = hvd.alltoall(x["alltoall"], splits=ALLTOALL_SPLITS[r])
     out["alltoall"] = [rows.tolist(), received.tolist(), hvd.alltoall(x["alltoall"]).tolist()]
+    h = hvd.alltoall_async(x["alltoall"], splits=ALLTOALL_SPLITS[r], name="async")
+    out["alltoall_async"] = [t.tolist() for t in hvd.synchronize(h)]
+    h = hvd.reducescatter_async(x["scatter"], op=hvd.Sum, name="async")
+    out["reducescatter_async"] = hvd.synchronize(h).tolist()
     out["objects"] = hvd.allgather_object({"rank": r, "pad": "x" * (100 * r)})
     # gradients through collectives
     grads = {}
@@ -499,7 +503,8 @@ def test_horovod_api_across_workers(job):
             expected, received = torch.cat([sent[0][:1], sent[1][:3]]), [1, 3]
         else:  # rank 0 sent it rows 1..2; rank 1 sent it none
             expected, received = sent[0][1:3], [2, 0]
-        assert g["alltoall"][:2] == [expected.tolist(), received]
+        assert g["alltoall"][:2] == g["alltoall_async"] == [expected.tolist(), received]
+        close(g["reducescatter_async"], total[rows])
         halves = slice(0, 2) if r == 0 else slice(2, 4)
         assert g["alltoall"][2] == torch.cat([sent[0][halves], sent[1][halves]]).tolist()
         assert g["objects"] == [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 100}]
