@@ -733,8 +733,8 @@ def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor)
         ]
 
     def finish(results):
-        n = size()
-        scale = postscale_factor / (n if op == Average else 1)
+        divisor = size() if op == Average else 1
+        scale = postscale_factor / divisor
         outs = []
         for t, r in zip(tensors, results, strict=True):
             out = torch.from_numpy(np.asarray(r)).reshape(t.shape)
@@ -742,7 +742,7 @@ def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor)
                 if out.dtype.is_floating_point or out.dtype.is_complex:
                     out = out * scale
                 else:  # an integer average is rounded down
-                    out = torch.div(out * postscale_factor, n, rounding_mode="floor")
+                    out = torch.div(out * postscale_factor, divisor, rounding_mode="floor")
             outs.append(out.to(device=t.device, dtype=t.dtype))
         return outs
 

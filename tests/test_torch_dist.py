@@ -215,6 +215,10 @@ def horovod_api(hvd, trace: str) -> dict:
         for op in ("Min", "Max", "Product", "Sum", "Average")
     }
     out["int_min_max"] = [hvd.allreduce(x["ints"], op=op).tolist() for op in (hvd.Min, hvd.Max)]
+    out["int_scaled"] = [
+        hvd.allreduce(x["ints"], op=op, postscale_factor=3).tolist()
+        for op in (hvd.Sum, hvd.Average)
+    ]
     # several in flight, finished in another order than started
     handles = [
         hvd.allreduce_async(x["reduce"], op=hvd.Sum, name="async"),
@@ -484,6 +488,11 @@ def test_horovod_api_across_workers(job):
         assert g["int_min_max"] == [
             torch.minimum(x0["ints"], x1["ints"]).tolist(),
             torch.maximum(x0["ints"], x1["ints"]).tolist(),
+        ]
+        ints = x0["ints"] + x1["ints"]
+        assert g["int_scaled"] == [
+            (ints * 3).tolist(),
+            torch.div(ints * 3, 2, rounding_mode="floor").tolist(),
         ]
         close(g["async"][0], a + b)
         close(g["async"][1], both)
