@@ -47,7 +47,8 @@ return a handle for :func:`poll` and :func:`synchronize`. ``broadcast_object``,
 workers of one job (as Horovod's cloudpickle); the servers only ever see bytes.
 
 Process sets: only the global one (a server completes a round when every worker pushed).
-Adasum: not supported (NotImplementedError).
+Adasum: ``allreduce`` gathers and combines on each worker; DistributedOptimizer's is not
+supported (NotImplementedError).
 
 Requires the ``torch`` extra (``pip install 'kvstore-ps[torch]'``). Tensors travel through host
 memory as NumPy arrays; the store must sum (``dist_sync``, ``dist_device_sync``, ``local``,
@@ -694,9 +695,36 @@ def _check_root(root_rank) -> None:
 
 # ---------------------------------------------------------------- allreduce
 
-# Min, Max and Product: the servers only sum, so each worker gathers every worker's tensor
-# (one round, W times the bytes) and reduces them itself, in rank order.
-_REDUCE = {Min: np.min, Max: np.max, Product: np.prod}
+_SQRT_DOUBLE_MIN = float(np.sqrt(np.finfo(np.float64).tiny))
+
+
+def _adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Adasum of two gradients (Horovod's): each scaled by 1 - (a.b) / (2 |itself|^2)
+    (1 when its norm is about 0), then added; dot products in float64."""
+    dot = float(np.vdot(a.astype(np.float64), b))
+    a_sq, b_sq = float(np.vdot(a, a.astype(np.float64))), float(np.vdot(b, b.astype(np.float64)))
+    a_coeff = 1.0 - dot / a_sq * 0.5 if a_sq >= _SQRT_DOUBLE_MIN else 1.0
+    b_coeff = 1.0 - dot / b_sq * 0.5 if b_sq >= _SQRT_DOUBLE_MIN else 1.0
+    return (a_coeff * a + b_coeff * b).astype(a.dtype)
+
+
+def _adasum(rows: np.ndarray) -> np.ndarray:
+    """Horovod's Adasum of every worker's tensor: pairs of neighbours (0 with 1, 2 with 3,
+    ...), then pairs of those pairs, as its distance-doubling levels combine them."""
+    level = list(rows)
+    while len(level) > 1:
+        level = [_adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+# Min, Max, Product and Adasum: the servers only sum, so each worker gathers every worker's
+# tensor (one round, W times the bytes) and reduces them itself, in rank order.
+_REDUCE = {
+    Min: lambda rows: rows.min(axis=0),
+    Max: lambda rows: rows.max(axis=0),
+    Product: lambda rows: rows.prod(axis=0),
+    Adasum: _adasum,
+}
 
 
 def _resolve_op(average, op):
@@ -704,13 +732,20 @@ def _resolve_op(average, op):
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         op = Sum if average is False else Average
-    if op == Adasum:
-        raise NotImplementedError(
-            "op=Adasum is not supported by kvstore.torch (the servers sum); use Average or Sum"
-        )
     if op not in (Average, Sum, *_REDUCE):
-        raise ValueError(f"op={op!r}: expected hvd.Average, Sum, Min, Max or Product")
+        raise ValueError(f"op={op!r}: expected hvd.Average, Sum, Min, Max, Product or Adasum")
     return op
+
+
+def _check_adasum(what: str, tensors: list) -> None:
+    n = size()
+    if n & (n - 1):
+        raise NotImplementedError(
+            f"{what}: op=Adasum needs a power-of-2 number of workers (as Horovod's), not {n}"
+        )
+    for t in tensors:
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{what}: op=Adasum needs floating-point tensors, got {t.dtype}")
 
 
 def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor) -> _Work:
@@ -718,6 +753,8 @@ def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor)
     for t in tensors:
         if t.dtype == torch.bool:
             raise TypeError(f"{what}: bool tensors cannot be reduced; cast to an integer type")
+    if op == Adasum:
+        _check_adasum(what, tensors)
     hosts = [_host(t * prescale_factor if prescale_factor != 1.0 else t) for t in tensors]
     entries = list(zip(names, hosts, strict=True))
     reduce = _REDUCE.get(op)
@@ -728,7 +765,7 @@ def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor)
             _sum_in(kv, [_key("allreduce", n, h.dtype, h.shape) for n, h in entries], hosts)
             return hosts
         return [
-            reduce(_gather_in(kv, "reduce", n, h)[live], axis=0).astype(h.dtype, copy=False)
+            reduce(_gather_in(kv, "reduce", n, h)[live]).astype(h.dtype, copy=False)
             for n, h in entries
         ]
 
@@ -1963,7 +2000,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
         raise ValueError("DistributedOptimizer: this optimizer is already distributed")
     if op == Adasum:
         raise NotImplementedError(
-            "op=Adasum is not supported by kvstore.torch (the servers sum); use Average or Sum"
+            "DistributedOptimizer: op=Adasum is not supported by kvstore.torch (Horovod's "
+            "Adasum optimizer combines each worker's parameter update; the servers only sum "
+            "gradients): use Average or Sum (hvd.allreduce takes op=hvd.Adasum)"
         )
     if op not in (Average, Sum):
         raise NotImplementedError(f"op={op!r} is not supported by kvstore.torch: Average or Sum")

@@ -164,9 +164,9 @@ def test_allreduce_forms():
 def test_allreduce_errors():
     with pytest.raises(ValueError, match="op parameter supersedes average"):
         hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
-    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
-        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    with pytest.raises(ValueError, match="expected hvd.Average, Sum, Min, Max or Product"):
+    with pytest.raises(TypeError, match="op=Adasum needs floating-point tensors, got torch.int64"):
+        hvd.allreduce(torch.ones(1, dtype=torch.int64), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="expected hvd.Average, Sum, Min, Max, Product or Adasum"):
         hvd.allreduce(torch.ones(1), op="Median")
     with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
         hvd.allreduce([1.0])
@@ -241,12 +241,31 @@ def test_broadcast_optimizer_state():
 
 def test_min_max_product_and_scaling():
     t = torch.tensor([[1.0, -2.0], [3.0, 4.0]])
-    for op in (hvd.Min, hvd.Max, hvd.Product):
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
         assert torch.equal(hvd.allreduce(t, op=op, name="m"), t)
     ints = torch.tensor([3, -4], dtype=torch.int16)
     out = hvd.allreduce(ints, op=hvd.Product)
     assert out.dtype == torch.int16 and out.tolist() == [3, -4]
     assert hvd.allreduce(t, op=hvd.Max, prescale_factor=2).tolist() == [[2, -4], [6, 8]]
+
+
+def test_adasum_of_four_workers():
+    """Horovod's Adasum: equal gradients give the gradient; orthogonal ones, their sum; a
+    zero one leaves the other as it is."""
+    from kvstore.torch import _adasum
+
+    g = np.array([3.0, -1.0, 2.0], np.float32)
+    np.testing.assert_allclose(_adasum(np.stack([g] * 4)), g, rtol=1e-6)
+    eye = np.eye(4, dtype=np.float64)
+    np.testing.assert_allclose(_adasum(eye * [1, 2, 3, 4]), [1, 2, 3, 4])
+    zero = np.zeros(3, np.float32)
+    np.testing.assert_allclose(_adasum(np.stack([g, zero])), g)
+
+
+def test_adasum_needs_a_power_of_2_workers(monkeypatch):
+    monkeypatch.setattr(hvd, "size", lambda: 3)
+    with pytest.raises(NotImplementedError, match="power-of-2 number of workers .*, not 3"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
 
 
 def test_async_forms_and_handles():

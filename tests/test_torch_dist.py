@@ -212,7 +212,7 @@ def horovod_api(hvd, trace: str) -> dict:
     x = api_inputs(r)
     out = {
         op: hvd.allreduce(x["reduce"], op=getattr(hvd, op), name=op).tolist()
-        for op in ("Min", "Max", "Product", "Sum", "Average")
+        for op in ("Min", "Max", "Product", "Sum", "Average", "Adasum")
     }
     out["int_min_max"] = [hvd.allreduce(x["ints"], op=op).tolist() for op in (hvd.Min, hvd.Max)]
     out["int_scaled"] = [
@@ -485,6 +485,11 @@ def test_horovod_api_across_workers(job):
         close(g["Product"], a * b)
         close(g["Sum"], a + b)
         close(g["Average"], (a + b) / 2)
+        dot = float((a.double() * b.double()).sum())
+        adasum = (1 - dot / (2 * float(a.double().square().sum()))) * a.double() + (
+            1 - dot / (2 * float(b.double().square().sum()))
+        ) * b.double()
+        close(g["Adasum"], adasum, rtol=1e-6, atol=1e-6)
         assert g["int_min_max"] == [
             torch.minimum(x0["ints"], x1["ints"]).tolist(),
             torch.maximum(x0["ints"], x1["ints"]).tolist(),
