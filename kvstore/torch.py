@@ -32,12 +32,23 @@ store-and-forward (the whole bucket in, the sum, the whole bucket out), where a 
 pipelines inside a bucket; since a bucket became one message, 1, 5 and 25 MB buckets give
 ResNet-18 steps within 10% of each other on this project's 2-core machine (README).
 
-Collectives (``allreduce``, ``allgather``, ``broadcast*``) are sums on the store's keys:
-a broadcast is the root's tensor plus zeros from everyone else (exact), a gather puts each
-rank's rows at its offset in zeros. Each distinct (name, dtype, shape) is a key, initialised
-(collectively) on first use and reused after. ``broadcast_object`` and
-``broadcast_optimizer_state`` serialise with pickle, between the workers of one job (as
-Horovod's cloudpickle); the servers only ever see bytes.
+Collectives are sums on the store's keys, because the servers only sum: a broadcast is the
+root's tensor plus zeros from everyone else (exact), a gather puts each rank's rows at its
+offset in zeros; Min, Max and Product gather every worker's tensor and reduce it on each
+worker; reducescatter sums the whole tensor and keeps this worker's rows; alltoall gathers
+every worker's rows and keeps the ones sent here. Each distinct (name, dtype, shape) is a
+key, initialised (collectively) on first use and reused after. Before its data, every call
+the user makes sends one small round that compares the workers' names, dtypes and shapes,
+so a mismatch raises on every worker instead of leaving some waiting on a key the others
+never push (the optimizer's buckets and SyncBatchNorm's statistics skip it: their shapes
+come from the model). The ``*_async`` forms hand the same work to the store's thread and
+return a handle for :func:`poll` and :func:`synchronize`. ``broadcast_object``,
+``allgather_object`` and ``broadcast_optimizer_state`` serialise with pickle, between the
+workers of one job (as Horovod's cloudpickle); the servers only ever see bytes.
+
+Process sets: only the global one (a server completes a round when every worker pushed).
+Adasum: ``allreduce`` gathers and combines on each worker; DistributedOptimizer's is not
+supported (NotImplementedError).
 
 Requires the ``torch`` extra (``pip install 'kvstore-ps[torch]'``). Tensors travel through host
 memory as NumPy arrays; the store must sum (``dist_sync``, ``dist_device_sync``, ``local``,
@@ -58,6 +69,7 @@ import atexit
 import collections
 import contextlib
 import io
+import itertools
 import logging
 import os
 import pickle
@@ -67,10 +79,13 @@ import threading
 import warnings
 import weakref
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import numpy as np
 
+from . import arrays, timeline
 from .server import root_only
 from .store import KVStore
 
@@ -79,23 +94,66 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
     "Sum",
+    "SyncBatchNorm",
+    "add_process_set",
     "allgather",
+    "allgather_async",
+    "allgather_object",
     "allreduce",
     "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
 ]
 
 log = logging.getLogger("kvstore.torch")
@@ -233,6 +291,9 @@ class _State:
         self.local_size = 1
         self.keys: set = set()  # keys initialised in the store (read in the comm thread)
         self.optimizers = 0
+        self.handles: dict = {}  # handle -> (Future, finish) of the *_async calls in flight
+        self.handle_ids = itertools.count(1)
+        self.tracer: timeline.Tracer | None = None  # start_timeline's (set in the comm thread)
 
 
 _state = _State()
@@ -245,19 +306,90 @@ def _require() -> _State:
     return _state
 
 
+# ---------------------------------------------------------------- process sets
+
+
+class ProcessSet:
+    """Horovod's process set: a list of global ranks. Only :data:`global_process_set` (every
+    worker) runs collectives here: a server completes a round once every worker has pushed
+    (or joined), so a subset of the workers cannot reduce by itself.
+
+    >>> hvd.allreduce(t, process_set=hvd.global_process_set)  # doctest: +SKIP
+    """
+
+    process_set_id = None
+    ranks = None
+
+    def __init__(self, ranks_or_comm):
+        if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
+            raise ValueError(
+                "ProcessSet: expected a list of ranks (kvstore.torch has no MPI communicators), "
+                f"got {type(ranks_or_comm).__name__}"
+            )
+        ranks = sorted(ranks_or_comm)
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError(f"ProcessSet: ranks must be ints, got {ranks!r}")
+        self.ranks = ranks
+
+    def size(self) -> int | None:
+        """The number of workers in the set; None if it was never added."""
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This worker's rank within the set; None if it was never added."""
+        return None if self.process_set_id is None else self.ranks.index(rank())
+
+    def included(self) -> bool | None:
+        """Whether this worker is in the set."""
+        return None if self.ranks is None else rank() in self.ranks
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])  # its ranks are every worker's, set by init()
+global_process_set.process_set_id = 0
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Not supported: raises NotImplementedError (see :class:`ProcessSet`)."""
+    raise NotImplementedError(
+        "add_process_set: kvstore.torch runs collectives over all workers only (a server "
+        "completes a round when every worker has pushed); use hvd.global_process_set"
+    )
+
+
+def remove_process_set(process_set) -> bool:
+    """False, as Horovod answers for the global set and for a set never added (the only
+    kinds there are here)."""
+    return False
+
+
+def _check_process_set(process_set) -> None:
+    if process_set is not None and process_set is not global_process_set:
+        raise NotImplementedError(
+            f"process_set={process_set}: process sets other than hvd.global_process_set are not "
+            "supported (kvstore.torch runs collectives over all workers only); leave "
+            "process_set out"
+        )
+
+
 # ---------------------------------------------------------------- init and identity
 
 
-def init(kv_store: str | KVStore | None = None) -> None:
+def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
     """Start (or join) the job: create the store, and the thread that talks to it.
 
     ``kv_store``: a store type or a :class:`KVStore` to use (its keys must be strings); by
     default ``dist_sync`` when started by ``launch.py`` (``DMLC_ROLE`` is set), else
     ``local`` (one process). Every worker calls it; a second call does nothing.
+    ``process_sets`` (Horovod's) beyond the global one raise NotImplementedError.
 
     >>> import kvstore.torch as hvd; hvd.init(); hvd.size()  # doctest: +SKIP
     1
     """
+    if process_sets:
+        add_process_set(process_sets[0])
     with _init_lock:
         if _state.comm is not None:
             return
@@ -278,10 +410,12 @@ def init(kv_store: str | KVStore | None = None) -> None:
                 f"MXNet's names for them), not {kv.type!r}"
             )
         _state.kv, _state.owned, _state.keys = kv, owned, set()
+        _state.handles, _state.tracer = {}, None
         _state.comm = _Comm(kv)
         # Registered after the store's own (atexit runs last first): the thread finishes
         # what is in flight and closes the store before anything else touches it.
         atexit.register(shutdown)
+        global_process_set.ranks = list(range(kv.num_workers))
         _state.local_rank, _state.local_size = _local_ranks(kv)
 
 
@@ -311,6 +445,7 @@ def shutdown() -> None:
             return
         _state.comm = _state.kv = None
         try:
+            comm.run(_end_timeline)
             if owned:
                 comm.run(lambda kv: kv.close())
         finally:
@@ -356,23 +491,109 @@ def join(device: int = -1) -> int:
     return _require().comm.run(lambda kv: kv.join())
 
 
-def barrier() -> None:
+def barrier(process_set=global_process_set) -> None:
+    """Wait until every worker has called ``barrier``."""
+    _check_process_set(process_set)
     _require().comm.run(lambda kv: kv.barrier())
 
 
-def mpi_threads_supported() -> bool:
-    return False
+# What Horovod's build and runtime flags answer here: no MPI, Gloo, NCCL, DDL or oneCCL (the
+# workers talk to the servers over ZeroMQ). CUDA and ROCm: whether the CuPy that the
+# ``device`` stores sum with is a CUDA or a ROCm build (kvstore.torch itself moves tensors
+# through host memory).
 
 
 def _false() -> bool:
     return False
 
 
-mpi_built = mpi_enabled = gloo_built = gloo_enabled = nccl_built = _false
-ddl_built = ccl_built = cuda_built = rocm_built = _false
+mpi_threads_supported = mpi_built = mpi_enabled = gloo_built = gloo_enabled = _false
+nccl_built = ddl_built = ccl_built = _false
 
 
-# ---------------------------------------------------------------- collectives
+def cuda_built() -> bool:
+    """Whether CuPy, built for CUDA, is importable (``pip install 'kvstore-ps[cuda]'``)."""
+    return arrays.cupy is not None and not arrays.cupy.cuda.runtime.is_hip
+
+
+def rocm_built() -> bool:
+    """Whether CuPy, built for ROCm, is importable."""
+    return arrays.cupy is not None and bool(arrays.cupy.cuda.runtime.is_hip)
+
+
+# ---------------------------------------------------------------- collectives: the work
+#
+# A collective is a _Work: ``job(kv)`` makes every store call in the store's thread (the
+# tensors were copied to host arrays before, in the caller's thread); ``finish`` turns its
+# result into tensors in the caller's thread. The blocking forms run both at once; the
+# ``*_async`` forms return a handle and ``synchronize`` finishes it.
+
+
+class _Work(NamedTuple):
+    kind: str
+    name: str | None
+    job: Callable
+    finish: Callable
+
+
+def _then(work: _Work, fn) -> _Work:
+    return work._replace(finish=lambda result: fn(work.finish(result)))
+
+
+def _traced(work: _Work):
+    """The job, as a span on the timeline while :func:`start_timeline` records."""
+
+    def job(kv):
+        tracer = _state.tracer
+        if tracer is None:
+            return work.job(kv)
+        start = timeline.now()
+        try:
+            return work.job(kv)
+        finally:
+            tracer.span(work.kind, start, timeline.now(), {"name": work.name})
+
+    return job
+
+
+def _run(work: _Work):
+    return work.finish(_require().comm.run(_traced(work)))
+
+
+def _start(work: _Work) -> int:
+    st = _require()
+    handle = next(st.handle_ids)
+    st.handles[handle] = (st.comm.submit(_traced(work)), work.finish)
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation of ``handle`` is done (then :func:`synchronize` does not block).
+
+    >>> h = hvd.allreduce_async(t); hvd.poll(h)  # doctest: +SKIP
+    False
+    """
+    return _handle(handle, "poll")[0].done()
+
+
+def synchronize(handle: int):
+    """Wait for the operation of ``handle`` and return its result (raising its error).
+
+    >>> h = hvd.allreduce_async(t, name="loss"); ...; avg = hvd.synchronize(h)  # doctest: +SKIP
+    """
+    future, finish = _handle(handle, "synchronize")
+    del _state.handles[handle]
+    return finish(future.result())
+
+
+def _handle(handle, what: str):
+    found = _require().handles.get(handle)
+    if found is None:
+        raise ValueError(
+            f"{what}: {handle!r} is not the handle of an operation in flight (each handle "
+            "is synchronized once)"
+        )
+    return found
 
 
 def _key(kind: str, name, dtype: np.dtype, shape) -> str:
@@ -387,14 +608,56 @@ def _ensure(kv: KVStore, keys: list, arrays: list) -> None:
         _state.keys.update(k for k, _ in new)
 
 
-def _sum(keys: list, arrays: list) -> None:
-    """Replace each array by its sum over the workers (one call; arrays are host, contiguous)."""
-
-    def job(kv):
+def _sum_in(kv: KVStore, keys: list, arrays: list) -> None:
+    """Replace each array by its sum over the workers, in one call (in the comm thread)."""
+    live = [(k, a) for k, a in zip(keys, arrays, strict=True) if a.size]
+    if live:
+        keys, arrays = [k for k, _ in live], [a for _, a in live]
         _ensure(kv, keys, arrays)
         kv.pushpull(keys, arrays)
 
-    _require().comm.run(job)
+
+def _sum(keys: list, arrays: list) -> None:
+    _require().comm.run(lambda kv: _sum_in(kv, keys, arrays))
+
+
+def _gather_in(kv: KVStore, kind: str, name, host: np.ndarray) -> np.ndarray:
+    """Every worker's ``host`` (one shape on all), stacked in rank order: each worker's in
+    its own row of zeros, summed (exact: one worker writes each element)."""
+    rows = np.zeros((kv.num_workers, *host.shape), host.dtype)
+    rows[kv.rank] = host
+    _sum_in(kv, [_key(kind, name, rows.dtype, rows.shape)], [rows])
+    return rows
+
+
+_AGREE_BYTES = 256
+
+
+def _agree_in(kv: KVStore, what: str, entries: list) -> np.ndarray:
+    """Raise the same ValueError on every worker unless all passed the same (name, array)
+    ``entries`` (names, dtypes, shapes): one small round before the data, so that no worker
+    pushes into a key the others never push (which would wait for the round timeout).
+    Returns which workers take part (a worker that joined pushes zeros: it is left out)."""
+    if kv.num_workers == 1:
+        return np.ones(1, bool)
+    text = ", ".join(f"{n or '-'}: {a.dtype} {tuple(a.shape)}" for n, a in entries).encode()
+    row = np.zeros(_AGREE_BYTES, np.uint8)
+    row[:4] = np.frombuffer(zlib.crc32(text).to_bytes(4, "little"), np.uint8)
+    shown = text[: _AGREE_BYTES - 4]
+    row[4 : 4 + len(shown)] = np.frombuffer(shown, np.uint8)
+    rows = _gather_in(kv, "agree", None, row)
+    live = rows.any(axis=1)
+    if (rows[live] == row).all():
+        return live
+    got = "; ".join(f"rank {r}: [{_shown(row)}]" for r, row in enumerate(rows) if live[r])
+    raise ValueError(
+        f"{what}: every worker must pass tensors of the same names, dtypes and shapes (in "
+        f"the same order of calls); got {got}"
+    )
+
+
+def _shown(row: np.ndarray) -> str:
+    return bytes(row[4:]).rstrip(b"\0").decode(errors="replace")
 
 
 def _host(tensor: torch.Tensor, dtype: np.dtype | None = None) -> np.ndarray:
@@ -405,11 +668,23 @@ def _host(tensor: torch.Tensor, dtype: np.dtype | None = None) -> np.ndarray:
     return np.array(t.cpu().numpy(), dtype=dtype, order="C", copy=True)
 
 
+def _tensor(host: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(host).to(device=like.device, dtype=like.dtype)
+
+
 def _check_tensor(what: str, tensor) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
+
+
+def _check_tensors(what: str, tensors) -> list:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what}: expected a list of tensors, got {type(tensors).__name__}")
+    for t in tensors:
+        _check_tensor(what, t)
+    return list(tensors)
 
 
 def _check_root(root_rank) -> None:
@@ -418,18 +693,135 @@ def _check_root(root_rank) -> None:
         raise ValueError(f"root_rank must be a rank in 0..{n - 1}, got {root_rank!r}")
 
 
+# ---------------------------------------------------------------- allreduce
+
+_SQRT_DOUBLE_MIN = float(np.sqrt(np.finfo(np.float64).tiny))
+
+
+def _adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Adasum of two gradients (Horovod's): each scaled by 1 - (a.b) / (2 |itself|^2)
+    (1 when its norm is about 0), then added; dot products in float64."""
+    dot = float(np.vdot(a.astype(np.float64), b))
+    a_sq, b_sq = float(np.vdot(a, a.astype(np.float64))), float(np.vdot(b, b.astype(np.float64)))
+    a_coeff = 1.0 - dot / a_sq * 0.5 if a_sq >= _SQRT_DOUBLE_MIN else 1.0
+    b_coeff = 1.0 - dot / b_sq * 0.5 if b_sq >= _SQRT_DOUBLE_MIN else 1.0
+    return (a_coeff * a + b_coeff * b).astype(a.dtype)
+
+
+def _adasum(rows: np.ndarray) -> np.ndarray:
+    """Horovod's Adasum of every worker's tensor: pairs of neighbours (0 with 1, 2 with 3,
+    ...), then pairs of those pairs, as its distance-doubling levels combine them."""
+    level = list(rows)
+    while len(level) > 1:
+        level = [_adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+# Min, Max, Product and Adasum: the servers only sum, so each worker gathers every worker's
+# tensor (one round, W times the bytes) and reduces them itself, in rank order.
+_REDUCE = {
+    Min: lambda rows: rows.min(axis=0),
+    Max: lambda rows: rows.max(axis=0),
+    Product: lambda rows: rows.prod(axis=0),
+    Adasum: _adasum,
+}
+
+
 def _resolve_op(average, op):
     if average is not None and op is not None:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         op = Sum if average is False else Average
-    if op == Adasum:
-        raise NotImplementedError(
-            "op=Adasum is not supported by kvstore.torch (the servers sum); use Average or Sum"
-        )
-    if op not in (Average, Sum):
-        raise NotImplementedError(f"op={op!r} is not supported by kvstore.torch: Average or Sum")
+    if op not in (Average, Sum, *_REDUCE):
+        raise ValueError(f"op={op!r}: expected hvd.Average, Sum, Min, Max, Product or Adasum")
     return op
+
+
+def _check_adasum(what: str, tensors: list) -> None:
+    n = size()
+    if n & (n - 1):
+        raise NotImplementedError(
+            f"{what}: op=Adasum needs a power-of-2 number of workers (as Horovod's), not {n}"
+        )
+    for t in tensors:
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{what}: op=Adasum needs floating-point tensors, got {t.dtype}")
+
+
+def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor) -> _Work:
+    """The reduction of each tensor (already compressed) over the workers; finish: a list."""
+    for t in tensors:
+        if t.dtype == torch.bool:
+            raise TypeError(f"{what}: bool tensors cannot be reduced; cast to an integer type")
+    if op == Adasum:
+        _check_adasum(what, tensors)
+    hosts = [_host(t * prescale_factor if prescale_factor != 1.0 else t) for t in tensors]
+    entries = list(zip(names, hosts, strict=True))
+    reduce = _REDUCE.get(op)
+
+    def job(kv):
+        live = _agree_in(kv, what, entries)
+        if reduce is None:
+            _sum_in(kv, [_key("allreduce", n, h.dtype, h.shape) for n, h in entries], hosts)
+            return hosts
+        return [
+            reduce(_gather_in(kv, "reduce", n, h)[live]).astype(h.dtype, copy=False)
+            for n, h in entries
+        ]
+
+    def finish(results):
+        divisor = size() if op == Average else 1
+        scale = postscale_factor / divisor
+        outs = []
+        for t, r in zip(tensors, results, strict=True):
+            out = torch.from_numpy(np.asarray(r)).reshape(t.shape)
+            if scale != 1.0:
+                if out.dtype.is_floating_point or out.dtype.is_complex:
+                    out = out * scale
+                else:  # an integer average is rounded down
+                    out = torch.div(out * postscale_factor, divisor, rounding_mode="floor")
+            outs.append(out.to(device=t.device, dtype=t.dtype))
+        return outs
+
+    return _Work(what, names[0] if len(names) == 1 else str(names), job, finish)
+
+
+def _grouped_names(name, count: int) -> list:
+    return [f"{'' if name is None else name}#{i}" for i in range(count)]
+
+
+class _Allreduce(torch.autograd.Function):
+    """Its gradient is the same reduction of the gradient (Horovod's definition)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.args = (op, prescale_factor, postscale_factor)
+        work = _allreduce_work("allreduce", [tensor], [name], op, prescale_factor, postscale_factor)
+        return _run(work)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post = ctx.args
+        out = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post)
+        return out, None, None, None, None
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor)
+        names = _grouped_names(name, len(tensors))
+        work = _allreduce_work(
+            "grouped_allreduce", list(tensors), names, op, prescale_factor, postscale_factor
+        )
+        return tuple(_run(work))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post = ctx.args
+        grads = [g.contiguous() for g in grads]
+        out = grouped_allreduce(grads, op=op, prescale_factor=pre, postscale_factor=post)
+        return (None, None, None, None, *out)
 
 
 def allreduce(
@@ -440,105 +832,562 @@ def allreduce(
     op=None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set=None,
+    process_set=global_process_set,
 ) -> torch.Tensor:
-    """The average (``op=Average``, the default) or sum (``op=Sum``) of ``tensor`` over all
-    workers, as a new tensor on the tensor's device. Every worker calls it, in the same order.
-    An integer tensor's average is rounded down.
+    """The average (``op=Average``, the default), sum, minimum, maximum or product of
+    ``tensor`` over all workers, as a new tensor on the tensor's device. Every worker calls
+    it, in the same order, with the same dtype and shape (else every worker raises
+    ValueError). An integer tensor's average is rounded down. Min, Max and Product gather
+    every worker's tensor and reduce on each worker (the servers only sum). Differentiable:
+    the gradient is the same reduction of the gradient.
 
     >>> hvd.allreduce(torch.tensor(float(hvd.rank())))  # doctest: +SKIP
     tensor(0.5000)
     """
     op = _resolve_op(average, op)
     _check_tensor("allreduce", tensor)
-    _no_process_set(process_set)
-    if tensor.dtype == torch.bool:
-        raise TypeError("allreduce: bool tensors cannot be summed; cast to an integer type")
-    compressed, ctx = compression.compress(tensor.detach())
-    if prescale_factor != 1.0:
-        compressed = compressed * prescale_factor
-    host = _host(compressed)
-    if host.size:
-        _sum([_key("allreduce", name, host.dtype, host.shape)], [host])
-    out = compression.decompress(torch.from_numpy(host).to(compressed.dtype), ctx)
-    scale = postscale_factor / (size() if op == Average else 1)
-    if scale != 1.0:
-        if out.dtype.is_floating_point or out.dtype.is_complex:
-            out = out * scale
-        else:
-            out = torch.div(out * postscale_factor, size(), rounding_mode="floor").to(out.dtype)
-    return out.to(device=tensor.device, dtype=tensor.dtype)
+    _check_process_set(process_set)
+    compressed, ctx = compression.compress(tensor)
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
 
 
-def allreduce_(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """:func:`allreduce` in place."""
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> int:
+    """:func:`allreduce`, started: returns a handle for :func:`poll` and :func:`synchronize`
+    (which returns the result). Leave ``tensor`` alone until then.
+
+    >>> h = hvd.allreduce_async(loss, name="loss"); ...; hvd.synchronize(h)  # doctest: +SKIP
+    """
+    op = _resolve_op(average, op)
+    _check_tensor("allreduce_async", tensor)
+    _check_process_set(process_set)
+    work = _allreduce_work(
+        "allreduce", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+    )
+    return _start(_then(work, lambda outs: outs[0]))
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> int:
+    """:func:`allreduce_async` in place: :func:`synchronize` writes the result into
+    ``tensor`` and returns it."""
+    op = _resolve_op(average, op)
+    _check_tensor("allreduce_async_", tensor)
+    _check_process_set(process_set)
+    work = _allreduce_work(
+        "allreduce", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+    )
+    return _start(_then(work, lambda outs: _copy_into([tensor], outs)[0]))
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> torch.Tensor:
+    """:func:`allreduce` in place; returns ``tensor``."""
+    handle = allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return synchronize(handle)
+
+
+def _copy_into(tensors: list, values: list) -> list:
     with torch.no_grad():
-        tensor.copy_(allreduce(tensor, *args, **kwargs))
-    return tensor
+        for t, v in zip(tensors, values, strict=True):
+            t.copy_(v)
+    return tensors
 
+
+def grouped_allreduce(
+    tensors: list,
+    average: bool | None = None,
+    name: str | None = None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> list:
+    """:func:`allreduce` of every tensor of the list, in one call (one message per server);
+    returns a list. Differentiable.
+
+    >>> a, b = hvd.grouped_allreduce([a, b], op=hvd.Sum)  # doctest: +SKIP
+    """
+    op = _resolve_op(average, op)
+    tensors = _check_tensors("grouped_allreduce", tensors)
+    _check_process_set(process_set)
+    if not tensors:
+        return []
+    compressed = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(
+        name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed]
+    )
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+
+
+def grouped_allreduce_async(
+    tensors: list,
+    average: bool | None = None,
+    name: str | None = None,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> int:
+    """:func:`grouped_allreduce`, started: :func:`synchronize` returns the list."""
+    return _start(
+        _grouped_allreduce_work(
+            "grouped_allreduce_async",
+            tensors,
+            average,
+            name,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+        )
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: list,
+    average: bool | None = None,
+    name: str | None = None,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> int:
+    """:func:`grouped_allreduce_async` in place: :func:`synchronize` writes the results into
+    ``tensors`` and returns them."""
+    work = _grouped_allreduce_work(
+        "grouped_allreduce_async_",
+        tensors,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
+    return _start(_then(work, lambda outs: _copy_into(list(tensors), outs)))
+
+
+def grouped_allreduce_(
+    tensors: list,
+    average: bool | None = None,
+    name: str | None = None,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set=global_process_set,
+) -> list:
+    """:func:`grouped_allreduce` in place; returns ``tensors``."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return synchronize(handle)
+
+
+def _grouped_allreduce_work(what, tensors, average, name, op, pre, post, process_set) -> _Work:
+    op = _resolve_op(average, op)
+    tensors = _check_tensors(what, tensors)
+    _check_process_set(process_set)
+    detached = [t.detach() for t in tensors]
+    names = _grouped_names(name, len(tensors))
+    return _allreduce_work("grouped_allreduce", detached, names, op, pre, post)
+
+
+# ---------------------------------------------------------------- allgather and alltoall
 
 _GATHER_DIMS = 8
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -> torch.Tensor:
+def _allgather_in(kv: KVStore, what: str, hosts: list, names: list) -> list:
+    """Every worker's arrays concatenated along dimension 0, for each position of ``hosts``
+    (in the comm thread): one round for the shapes, one for the data."""
+    me, n = kv.rank, kv.num_workers
+    shapes = np.zeros((n, len(hosts), _GATHER_DIMS), np.int64)
+    for i, h in enumerate(hosts):
+        shapes[me, i, :2] = [zlib.crc32(h.dtype.str.encode()), h.ndim]
+        shapes[me, i, 2 : 2 + h.ndim] = h.shape
+    _sum_in(kv, [_key("allgather.shapes", None, shapes.dtype, shapes.shape)], [shapes])
+    totals = []
+    for i, h in enumerate(hosts):
+        mine = shapes[:, i]
+        live = mine.any(axis=1)  # a worker that joined sent zeros: no rows
+        if len({tuple(row[:2]) + tuple(row[3:]) for row in mine[live]}) > 1:
+            described = ", ".join(
+                f"rank {r}: {tuple(int(d) for d in row[2 : 2 + row[1]])}"
+                for r, row in enumerate(mine)
+                if live[r]
+            )
+            dtypes = "differ" if len({row[0] for row in mine[live]}) > 1 else "match"
+            raise ValueError(
+                f"{what}: tensors must match in dtype and in every dimension but the first; "
+                f"got {described} (dtypes {dtypes})"
+            )
+        rows = mine[:, 2]
+        start = int(rows[:me].sum())
+        total = np.zeros((int(rows.sum()), *h.shape[1:]), h.dtype)
+        total[start : start + h.shape[0]] = h
+        totals.append(total)
+    keys = [_key("allgather", nm, t.dtype, t.shape) for nm, t in zip(names, totals, strict=True)]
+    if len(set(keys)) != len(keys):
+        raise ValueError(
+            f"{what}: duplicate names {sorted({k for k in keys if keys.count(k) > 1})}"
+        )
+    _sum_in(kv, keys, totals)
+    return totals
+
+
+def _gather_host(what: str, tensor: torch.Tensor) -> np.ndarray:
+    t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    if t.dim() > _GATHER_DIMS - 2:
+        raise ValueError(f"{what}: at most {_GATHER_DIMS - 2} dimensions, got {t.dim()}")
+    return _host(t)
+
+
+def _allgather_work(what: str, tensors: list, names: list) -> _Work:
+    hosts = [_gather_host(what, t) for t in tensors]
+
+    def finish(totals):
+        return [
+            torch.from_numpy(total).to(device=t.device, dtype=t.dtype)
+            for total, t in zip(totals, tensors, strict=True)
+        ]
+
+    work_name = names[0] if len(names) == 1 else str(names)
+    return _Work(what, work_name, lambda kv: _allgather_in(kv, what, hosts, names), finish)
+
+
+class _Allgather(torch.autograd.Function):
+    """Gradient (Horovod's): the gradient averaged over the workers, this worker's rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows, ctx.shape = (1 if tensor.dim() == 0 else tensor.shape[0]), tensor.shape
+        return _run(_allgather_work("allgather", [tensor], [name]))[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad.contiguous(), op=Average)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64))
+        offset = int(rows[: rank()].sum())
+        return reduced.narrow(0, offset, ctx.rows).reshape(ctx.shape), None
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set=global_process_set
+) -> torch.Tensor:
     """Every worker's ``tensor`` concatenated along dimension 0, in rank order. The first
-    dimension may differ between workers; the others and the dtype must not.
+    dimension may differ between workers; the others and the dtype must not (else every
+    worker raises ValueError). Differentiable (Horovod's gradient: the average over the
+    workers of the output's gradient, this worker's rows of it).
 
     >>> hvd.allgather(torch.tensor([hvd.rank()]))  # doctest: +SKIP
     tensor([0, 1])
     """
     _check_tensor("allgather", tensor)
-    _no_process_set(process_set)
-    t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    if t.dim() > _GATHER_DIMS - 2:
-        raise ValueError(f"allgather: at most {_GATHER_DIMS - 2} dimensions, got {t.dim()}")
-    host = _host(t)
-    me, n = rank(), size()
-    shapes = np.zeros((n, _GATHER_DIMS), np.int64)
-    shapes[me, :2] = [zlib.crc32(host.dtype.str.encode()), t.dim()]
-    shapes[me, 2 : 2 + t.dim()] = t.shape
-    _sum([_key("allgather.shapes", None, shapes.dtype, shapes.shape)], [shapes])
-    rest = {tuple(row[:2]) + tuple(row[3:]) for row in shapes}
-    if len(rest) > 1:
-        described = ", ".join(
-            f"rank {r}: {tuple(int(d) for d in row[2 : 2 + row[1]])}"
-            for r, row in enumerate(shapes)
-        )
+    _check_process_set(process_set)
+    return _Allgather.apply(tensor, name)
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`allgather`, started: :func:`synchronize` returns the result."""
+    _check_tensor("allgather_async", tensor)
+    _check_process_set(process_set)
+    return _start(_then(_allgather_work("allgather", [tensor], [name]), lambda outs: outs[0]))
+
+
+def grouped_allgather(
+    tensors: list, name: str | None = None, process_set=global_process_set
+) -> list:
+    """:func:`allgather` of every tensor of the list, one round for all their shapes and one
+    for all their data; returns a list.
+
+    >>> xs, ys = hvd.grouped_allgather([x, y])  # doctest: +SKIP
+    """
+    tensors = _check_tensors("grouped_allgather", tensors)
+    _check_process_set(process_set)
+    if not tensors:
+        return []
+    return _run(_allgather_work("grouped_allgather", tensors, _grouped_names(name, len(tensors))))
+
+
+def grouped_allgather_async(
+    tensors: list, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`grouped_allgather`, started: :func:`synchronize` returns the list."""
+    tensors = _check_tensors("grouped_allgather_async", tensors)
+    _check_process_set(process_set)
+    names = _grouped_names(name, len(tensors))
+    return _start(_allgather_work("grouped_allgather", tensors, names))
+
+
+def allgather_object(obj, name: str | None = None) -> list:
+    """Every worker's ``obj``, in rank order (pickled between the workers of this job).
+
+    >>> hvd.allgather_object({"rank": hvd.rank()})  # doctest: +SKIP
+    [{'rank': 0}, {'rank': 1}]
+    """
+    _require()
+    name = type(obj).__name__ if name is None else name
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    lengths = np.array([len(data)], np.int64)
+    work = _Work(
+        "allgather_object",
+        name,
+        lambda kv: _allgather_in(kv, "allgather_object", [lengths, data], [name + ".sz", name]),
+        lambda totals: totals,
+    )
+    lengths, gathered = _run(work)
+    ends = np.cumsum(lengths)
+    return [
+        pickle.loads(gathered[end - n : end].tobytes())
+        for n, end in zip(lengths, ends, strict=True)
+    ]
+
+
+def _alltoall_splits(tensor: torch.Tensor, splits) -> np.ndarray:
+    n, rows = size(), (tensor.shape[0] if tensor.dim() else 0)
+    if tensor.dim() == 0:
+        raise ValueError("alltoall: expected a tensor of at least one dimension, got a 0-d one")
+    if splits is None:
+        if rows % n:
+            raise ValueError(
+                f"alltoall: splits not given, and the first dimension ({rows}) is not a "
+                f"multiple of the number of workers ({n}); pass splits="
+            )
+        return np.full(n, rows // n, np.int64)
+    counts = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
+    if counts.shape != (n,) or counts.dtype.kind not in "iu" or (counts < 0).any():
         raise ValueError(
-            f"allgather: tensors must match in dtype and in every dimension but the first; "
-            f"got {described} (dtypes {'differ' if len({r[0] for r in rest}) > 1 else 'match'})"
+            f"alltoall: splits must be {n} non-negative ints (one per worker), got {splits!r}"
         )
-    rows = shapes[:, 2]
-    start = int(rows[:me].sum())
-    total = np.zeros((int(rows.sum()), *host.shape[1:]), host.dtype)
-    total[start : start + host.shape[0]] = host
-    if total.size:
-        _sum([_key("allgather", name, total.dtype, total.shape)], [total])
-    out = torch.from_numpy(total)
-    if tensor.dtype in (torch.bfloat16, torch.bool):
-        out = out.to(tensor.dtype)
-    return out.to(tensor.device)
+    if counts.sum() > rows:
+        raise ValueError(
+            f"alltoall: splits add up to {int(counts.sum())}, more than the tensor's first "
+            f"dimension ({rows})"
+        )
+    return counts.astype(np.int64)
 
 
-def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=None
+def _alltoall_work(tensor: torch.Tensor, splits, name) -> _Work:
+    counts = _alltoall_splits(tensor, splits)
+    sent = _host(tensor.detach()[: int(counts.sum())])
+    names = [name, None if name is None else f"{name}.splits"]
+
+    def job(kv):
+        data, table = _allgather_in(kv, "alltoall", [sent, counts.reshape(1, -1)], names)
+        me = kv.rank
+        starts = np.concatenate([[0], np.cumsum(table.sum(axis=1))])
+        pieces = [
+            data[starts[s] + table[s, :me].sum() :][: table[s, me]] for s in range(len(table))
+        ]
+        return np.concatenate(pieces), table[:, me]
+
+    def finish(result):
+        data, received = result
+        return _tensor(data, tensor), torch.from_numpy(received.astype(np.int32))
+
+    return _Work("alltoall", name, job, finish)
+
+
+class _Alltoall(torch.autograd.Function):
+    """Gradient (Horovod's): the output's gradient sent back, alltoall with the received
+    splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        out, received = _run(_alltoall_work(tensor, splits, name))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return alltoall(grad.contiguous(), splits=ctx.received)[0], None, None
+
+
+def alltoall(
+    tensor: torch.Tensor, splits=None, name: str | None = None, process_set=global_process_set
+):
+    """Send ``splits[i]`` rows of ``tensor`` (in order, along dimension 0) to worker i and
+    return the rows every worker sent here, in rank order. Without ``splits`` the first
+    dimension is split equally (it must be a multiple of ``size()``). With ``splits``,
+    returns ``(rows, received_splits)``, the rows and an int32 tensor of how many came from
+    each worker (as Horovod). Built on allgather (every worker's rows reach every worker).
+    Differentiable.
+
+    >>> rows, received = hvd.alltoall(t, splits=[1, 2])  # doctest: +SKIP
+    """
+    _check_tensor("alltoall", tensor)
+    _check_process_set(process_set)
+    out, received = _Alltoall.apply(tensor, splits, name)
+    return out if splits is None else (out, received)
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits=None, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`alltoall`, started: :func:`synchronize` returns ``(rows, received_splits)``
+    (as Horovod's, with or without ``splits``)."""
+    _check_tensor("alltoall_async", tensor)
+    _check_process_set(process_set)
+    return _start(_alltoall_work(tensor, splits, name))
+
+
+# ---------------------------------------------------------------- reducescatter
+
+
+def _scatter_rows(rows: int, n: int, r: int) -> tuple[int, int]:
+    """(start, stop) of worker r's rows: the first ``rows % n`` workers get one more (as
+    Horovod)."""
+    base, extra = divmod(rows, n)
+    start = r * base + min(r, extra)
+    return start, start + base + (r < extra)
+
+
+def _reducescatter_work(what, tensors, names, op, pre, post) -> _Work:
+    for t in tensors:
+        if t.dim() == 0:
+            raise ValueError(f"{what}: expected tensors of at least one dimension, got a 0-d one")
+    if op not in (Average, Sum):
+        raise ValueError(f"{what}: op={op!r}; expected hvd.Average or hvd.Sum")
+    work = _allreduce_work(what, tensors, names, op, pre, post)
+    n, me = size(), rank()
+    return _then(work, lambda outs: [o[slice(*_scatter_rows(o.shape[0], n, me))] for o in outs])
+
+
+class _Reducescatter(torch.autograd.Function):
+    """Gradient (Horovod's): the gradient (times ``size()`` for Sum, times the scale
+    factors) gathered from every worker."""
+
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.scale = (size() if op == Sum else 1) * prescale_factor * postscale_factor
+        names = [name] if len(tensors) == 1 else _grouped_names(name, len(tensors))
+        work = _reducescatter_work(
+            "reducescatter", list(tensors), names, op, prescale_factor, postscale_factor
+        )
+        return tuple(_run(work))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [(g * ctx.scale if ctx.scale != 1 else g).contiguous() for g in grads]
+        return (None, None, None, None, *grouped_allgather(grads))
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> torch.Tensor:
-    """``root_rank``'s ``tensor`` on every worker, as a new tensor (bit for bit)."""
-    _check_tensor("broadcast", tensor)
-    _no_process_set(process_set)
-    _check_root(root_rank)
-    return _broadcast_many([(name, tensor)], root_rank, "broadcast")[0]
+    """The average (or ``op=Sum``: sum) over the workers of ``tensor``, of which each worker
+    gets its share of rows: worker r the r-th of ``size()`` near-equal parts of dimension 0
+    (the first ``rows % size()`` workers one row more, as Horovod). The whole tensor is
+    summed on the servers and sliced here. Differentiable.
+
+    >>> mine = hvd.reducescatter(torch.ones(4, 3), op=hvd.Sum)  # doctest: +SKIP
+    """
+    _check_tensor("reducescatter", tensor)
+    _check_process_set(process_set)
+    compressed, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, compressed)[0]
+    return compression.decompress(out, ctx)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=None):
-    """:func:`broadcast` in place."""
-    with torch.no_grad():
-        tensor.copy_(broadcast(tensor, root_rank, name, process_set))
-    return tensor
+def grouped_reducescatter(
+    tensors: list,
+    name: str | None = None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list:
+    """:func:`reducescatter` of every tensor of the list, in one call; returns a list."""
+    tensors = _check_tensors("grouped_reducescatter", tensors)
+    _check_process_set(process_set)
+    if not tensors:
+        return []
+    compressed = [compression.compress(t) for t in tensors]
+    outs = _Reducescatter.apply(
+        name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed]
+    )
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
 
 
-def _broadcast_many(named: list, root_rank: int, kind: str) -> list:
-    """Root's value of every tensor of ``named`` [(name, tensor)], in one call."""
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """:func:`reducescatter`, started: :func:`synchronize` returns this worker's rows."""
+    _check_tensor("reducescatter_async", tensor)
+    _check_process_set(process_set)
+    work = _reducescatter_work(
+        "reducescatter", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+    )
+    return _start(_then(work, lambda outs: outs[0]))
+
+
+def grouped_reducescatter_async(
+    tensors: list,
+    name: str | None = None,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """:func:`grouped_reducescatter`, started: :func:`synchronize` returns the list."""
+    tensors = _check_tensors("grouped_reducescatter_async", tensors)
+    _check_process_set(process_set)
+    names = _grouped_names(name, len(tensors))
+    detached = [t.detach() for t in tensors]
+    return _start(
+        _reducescatter_work(
+            "grouped_reducescatter", detached, names, op, prescale_factor, postscale_factor
+        )
+    )
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+def _broadcast_work(what: str, named: list, root_rank: int, kind: str) -> _Work:
+    """Root's value of every tensor of ``named`` [(name, tensor)], in one call: the root's
+    tensor plus zeros from every other worker (exact)."""
     mine = rank() == root_rank
     hosts, keys = [], []
     for i, (name, tensor) in enumerate(named):
@@ -549,13 +1398,77 @@ def _broadcast_many(named: list, root_rank: int, kind: str) -> list:
         keys.append(_key(kind, f"#{i}" if name is None else name, host.dtype, host.shape))
     if len(set(keys)) != len(keys):
         raise ValueError(f"{kind}: duplicate names {sorted(k for k in keys if keys.count(k) > 1)}")
-    live = [(k, h) for k, h in zip(keys, hosts, strict=True) if h.size]
-    if live:
-        _sum([k for k, _ in live], [h for _, h in live])
-    return [
-        torch.from_numpy(h).to(device=t.device, dtype=t.dtype)
-        for h, (_, t) in zip(hosts, named, strict=True)
-    ]
+    entries = [(name, h) for (name, _), h in zip(named, hosts, strict=True)]
+
+    def job(kv):
+        _agree_in(kv, what, entries)
+        _sum_in(kv, keys, hosts)
+        return hosts
+
+    def finish(results):
+        return [_tensor(h, t) for h, (_, t) in zip(results, named, strict=True)]
+
+    return _Work(what, named[0][0] if len(named) == 1 else None, job, finish)
+
+
+class _Broadcast(torch.autograd.Function):
+    """Gradient (Horovod's): the output's gradient averaged over the workers, on the root;
+    zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return _run(_broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast"))[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad.contiguous(), op=Average)
+        return (reduced if rank() == ctx.root_rank else torch.zeros_like(reduced)), None, None
+
+
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=global_process_set
+) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every worker, as a new tensor (bit for bit). Every
+    worker passes the same dtype and shape. Differentiable (Horovod's gradient: the average
+    of the output's gradient on the root, zeros elsewhere).
+
+    >>> w = hvd.broadcast(w, root_rank=0)  # doctest: +SKIP
+    """
+    _check_tensor("broadcast", tensor)
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`broadcast`, started: :func:`synchronize` returns the result."""
+    _check_tensor("broadcast_async", tensor)
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast")
+    return _start(_then(work, lambda outs: outs[0]))
+
+
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=global_process_set
+) -> int:
+    """:func:`broadcast_async` in place: :func:`synchronize` writes the root's value into
+    ``tensor`` and returns it."""
+    _check_tensor("broadcast_async_", tensor)
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast")
+    return _start(_then(work, lambda outs: _copy_into([tensor], outs)[0]))
+
+
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set=global_process_set
+) -> torch.Tensor:
+    """:func:`broadcast` in place; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:
@@ -583,19 +1496,21 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
             )
     if not items:
         return
-    values = _broadcast_many(items, root_rank, "param")
+    values = _run(_broadcast_work("broadcast_parameters", items, root_rank, "param"))
     with torch.no_grad():
         for (_, p), value in zip(items, values, strict=True):
             p.copy_(value)
 
 
-def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
+def broadcast_object(
+    obj, root_rank: int = 0, name: str | None = None, process_set=global_process_set
+):
     """``root_rank``'s ``obj`` on every worker (pickled between the workers of this job).
 
     >>> epoch = hvd.broadcast_object(epoch, root_rank=0)  # doctest: +SKIP
     """
     _require()
-    _no_process_set(process_set)
+    _check_process_set(process_set)
     _check_root(root_rank)
     mine = rank() == root_rank
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
@@ -636,9 +1551,186 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         optimizer.load_state_dict(loaded)
 
 
-def _no_process_set(process_set) -> None:
-    if process_set is not None:
-        raise NotImplementedError("process sets are not supported by kvstore.torch")
+# ---------------------------------------------------------------- SyncBatchNorm
+
+
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """Batch normalisation over every worker's batch, as ``torch.nn.SyncBatchNorm`` and
+    Horovod's: in training (and in eval without running statistics) each forward reduces
+    the count, mean and sum of squared deviations of every worker's batch (one round), so
+    W workers with B samples each normalise as one process with W x B samples; backward
+    reduces the two sums the input's gradient needs (one more round). The weight's and
+    bias's gradients stay this worker's (DistributedOptimizer averages them). Works on CPU
+    and CUDA tensors (Horovod's needs CUDA). Every worker must call it, in the same order.
+
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), hvd.SyncBatchNorm(8))
+    ... # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+    ):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm: expected at least 2D input (got {input.dim()}D)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative average
+                factor = 1.0 / float(self.num_batches_tracked)
+        if not self.training and self.track_running_stats:
+            return torch.nn.functional.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
+            )
+        update = self.training and self.track_running_stats
+        return _SyncBatchNorm.apply(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if update else None,
+            self.running_var if update else None,
+            self.eps,
+            factor,
+        )
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor):
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        xs = x.to(_stat_dtype(x.dtype))
+        count = x.numel() // channels
+        mean = xs.mean(dims) if count else xs.new_zeros(channels)
+        m2 = ((xs - mean.view(shape)) ** 2).sum(dims)
+        # Each worker's (count, mean, squared deviations), combined exactly (Chan et al.)
+        row = np.concatenate([[count], mean.double().cpu().numpy(), m2.double().cpu().numpy()])
+        rows = _run(
+            _Work("sync_batch_norm", None, lambda kv: _gather_in(kv, "bn", None, row), _same)
+        )
+        counts, means, m2s = rows[:, 0], rows[:, 1 : 1 + channels], rows[:, 1 + channels :]
+        total = counts.sum()
+        if total <= 1:
+            raise ValueError(
+                f"SyncBatchNorm: expected more than 1 value per channel when training, got "
+                f"{int(total)} over all workers (input shape {tuple(x.shape)} here)"
+            )
+        g_mean = (counts[:, None] * means).sum(0) / total
+        g_m2 = (m2s + counts[:, None] * (means - g_mean) ** 2).sum(0)
+        var = torch.from_numpy(g_m2 / total).to(xs)
+        g_mean_t = torch.from_numpy(g_mean).to(xs)
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            unbiased = torch.from_numpy(g_m2 / (total - 1))
+            running_mean.mul_(1 - factor).add_(g_mean_t.to(running_mean) * factor)
+            running_var.mul_(1 - factor).add_(unbiased.to(running_var) * factor)
+        xhat = (xs - g_mean_t.view(shape)) * invstd.view(shape)
+        out = xhat if weight is None else xhat * weight.view(shape).to(xs)
+        if bias is not None:
+            out = out + bias.view(shape).to(xs)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.total = float(total)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, weight, invstd = ctx.saved_tensors
+        channels = xhat.shape[1]
+        dims = [0, *range(2, xhat.dim())]
+        shape = [1, channels] + [1] * (xhat.dim() - 2)
+        dy = grad.to(xhat.dtype)
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            sums = _host(torch.cat([sum_dy, sum_dy_xhat]))
+            _sum([_key("bn.sums", None, sums.dtype, sums.shape)], [sums])
+            g_dy = torch.from_numpy(sums[:channels]).view(shape)
+            g_dy_xhat = torch.from_numpy(sums[channels:]).view(shape)
+            scale = invstd if weight is None else invstd * weight.to(invstd)
+            grad_input = (dy - (g_dy + xhat * g_dy_xhat).to(dy) / ctx.total) * scale.view(shape)
+            grad_input = grad_input.to(grad.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = sum_dy_xhat.to(weight.dtype)
+        if weight is not None and ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(weight.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _same(result):
+    return result
+
+
+# ---------------------------------------------------------------- timeline
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record this worker's collectives (one span each, with its name) and the store calls
+    they make, into ``<file_path>.worker<rank>``: the trace-event format of
+    ``KVSTORE_TIMELINE`` (:mod:`kvstore.timeline`), valid JSON once :func:`stop_timeline`
+    closed it; ``kvstore.timeline.merge(file_path)`` merges the workers' files into
+    ``file_path``. Each worker records its own (Horovod's coordinator records the job's);
+    ``mark_cycles`` is accepted and ignored (there are no negotiation cycles here).
+
+    >>> hvd.start_timeline("/tmp/trace.json"); ...; hvd.stop_timeline()  # doctest: +SKIP
+    """
+    st = _require()
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError(f"start_timeline: expected a file path, got {file_path!r}")
+    control = getattr(st.kv, "_control", None)
+    if control is not None and control.tracer is not None and control.tracer is not st.tracer:
+        raise ValueError(
+            "start_timeline: this worker already writes the timeline KVSTORE_TIMELINE names; "
+            "unset KVSTORE_TIMELINE to start and stop one from the script"
+        )
+    stop_timeline()
+    tracer = timeline.Tracer(file_path, "worker")
+    tracer.rank = st.kv.rank
+
+    def begin(kv):
+        _state.tracer = tracer
+        if control is not None:
+            control.tracer = tracer  # the store's own calls too (read by metrics.observed)
+
+    st.comm.run(begin)
+
+
+def stop_timeline() -> None:
+    """Stop recording (see :func:`start_timeline`) and close the file; nothing if none is
+    being recorded."""
+    _require().comm.run(_end_timeline)
+
+
+def _end_timeline(kv: KVStore) -> None:
+    tracer, _state.tracer = _state.tracer, None
+    if tracer is None:
+        return
+    control = getattr(kv, "_control", None)
+    if control is not None and control.tracer is tracer:
+        control.tracer = None
+    tracer.close()
 
 
 # ---------------------------------------------------------------- DistributedOptimizer
@@ -880,7 +1972,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
     num_groups: int = 0,
     groups=None,
     sparse_as_dense: bool = False,
-    process_set=None,
+    process_set=global_process_set,
     bucket_cap_mb: float = 5,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses the average of every worker's gradients.
@@ -898,7 +1990,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
     ... # doctest: +SKIP
     """
     _require()
-    _no_process_set(process_set)
+    _check_process_set(process_set)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
@@ -908,7 +2000,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
         raise ValueError("DistributedOptimizer: this optimizer is already distributed")
     if op == Adasum:
         raise NotImplementedError(
-            "op=Adasum is not supported by kvstore.torch (the servers sum); use Average or Sum"
+            "DistributedOptimizer: op=Adasum is not supported by kvstore.torch (Horovod's "
+            "Adasum optimizer combines each worker's parameter update; the servers only sum "
+            "gradients): use Average or Sum (hvd.allreduce takes op=hvd.Adasum)"
         )
     if op not in (Average, Sum):
         raise NotImplementedError(f"op={op!r} is not supported by kvstore.torch: Average or Sum")

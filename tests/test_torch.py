@@ -97,7 +97,12 @@ def test_identity_and_repeated_init():
     assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
     assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
     assert hvd.join() == 0
-    assert not hvd.nccl_built() and not hvd.mpi_threads_supported()
+    for flag in (hvd.mpi_built, hvd.mpi_enabled, hvd.gloo_built, hvd.gloo_enabled, hvd.nccl_built):
+        assert flag() is False
+    assert hvd.ddl_built() is False and hvd.ccl_built() is False
+    assert not hvd.mpi_threads_supported()
+    assert hvd.cuda_built() is (kvstore.arrays.cupy is not None)  # no ROCm CuPy here
+    assert hvd.rocm_built() is False
 
 
 def test_init_refuses_a_store_that_does_not_sum():
@@ -159,10 +164,10 @@ def test_allreduce_forms():
 def test_allreduce_errors():
     with pytest.raises(ValueError, match="op parameter supersedes average"):
         hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
-    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
-        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError, match="Average or Sum"):
-        hvd.allreduce(torch.ones(1), op=hvd.Max)
+    with pytest.raises(TypeError, match="op=Adasum needs floating-point tensors, got torch.int64"):
+        hvd.allreduce(torch.ones(1, dtype=torch.int64), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="expected hvd.Average, Sum, Min, Max, Product or Adasum"):
+        hvd.allreduce(torch.ones(1), op="Median")
     with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
         hvd.allreduce([1.0])
     with pytest.raises(TypeError, match="bool tensors"):
@@ -232,6 +237,202 @@ def test_broadcast_optimizer_state():
     assert opt.state_dict()["param_groups"] == saved["param_groups"]
     with pytest.raises(TypeError, match="expected a torch.optim.Optimizer, got dict"):
         hvd.broadcast_optimizer_state({}, root_rank=0)
+
+
+def test_min_max_product_and_scaling():
+    t = torch.tensor([[1.0, -2.0], [3.0, 4.0]])
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        assert torch.equal(hvd.allreduce(t, op=op, name="m"), t)
+    ints = torch.tensor([3, -4], dtype=torch.int16)
+    out = hvd.allreduce(ints, op=hvd.Product)
+    assert out.dtype == torch.int16 and out.tolist() == [3, -4]
+    assert hvd.allreduce(t, op=hvd.Max, prescale_factor=2).tolist() == [[2, -4], [6, 8]]
+
+
+def test_adasum_of_four_workers():
+    """Horovod's Adasum: equal gradients give the gradient; orthogonal ones, their sum; a
+    zero one leaves the other as it is."""
+    from kvstore.torch import _adasum
+
+    g = np.array([3.0, -1.0, 2.0], np.float32)
+    np.testing.assert_allclose(_adasum(np.stack([g] * 4)), g, rtol=1e-6)
+    eye = np.eye(4, dtype=np.float64)
+    np.testing.assert_allclose(_adasum(eye * [1, 2, 3, 4]), [1, 2, 3, 4])
+    zero = np.zeros(3, np.float32)
+    np.testing.assert_allclose(_adasum(np.stack([g, zero])), g)
+
+
+def test_adasum_needs_a_power_of_2_workers(monkeypatch):
+    monkeypatch.setattr(hvd, "size", lambda: 3)
+    with pytest.raises(NotImplementedError, match="power-of-2 number of workers .*, not 3"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+
+
+def test_async_forms_and_handles():
+    x = torch.tensor([1.0, 2.0])
+    h = hvd.allreduce_async(x, name="a")
+    assert isinstance(h, int)
+    out = hvd.synchronize(h)
+    assert out.tolist() == [1, 2] and out is not x
+    with pytest.raises(ValueError, match="not the handle of an operation in flight"):
+        hvd.synchronize(h)
+    with pytest.raises(ValueError, match="not the handle"):
+        hvd.poll(12345)
+    y = torch.tensor([3.0])
+    h = hvd.allreduce_async_(y, op=hvd.Sum, postscale_factor=2)
+    assert hvd.synchronize(h) is y and y.item() == 6
+    h = hvd.allgather_async(torch.ones(2, 3))
+    while not hvd.poll(h):
+        pass
+    assert hvd.synchronize(h).shape == (2, 3)
+    assert hvd.synchronize(hvd.broadcast_async(torch.ones(2), 0)).tolist() == [1, 1]
+    z = torch.zeros(2)
+    assert hvd.synchronize(hvd.broadcast_async_(z, root_rank=0)) is z
+    assert hvd.allreduce_(torch.tensor([4.0]), None, "p", hvd.Sum).item() == 4  # Horovod's order
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast_async(z, 1)
+
+
+def test_grouped_ops():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([[5]])
+    ra, rb = hvd.grouped_allreduce([a, b], op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert ra.dtype == torch.float32 and ra.tolist() == [1, 2] and rb.tolist() == [[5]]
+    assert hvd.grouped_allreduce([]) == []
+    assert hvd.synchronize(hvd.grouped_allreduce_async([a, a]))[1].tolist() == [1, 2]
+    c = torch.ones(3)
+    assert hvd.grouped_allreduce_([c, a], op=hvd.Max)[0] is c
+    h = hvd.grouped_allreduce_async_([c], postscale_factor=3)
+    assert hvd.synchronize(h)[0] is c and c.tolist() == [3, 3, 3]
+    ga, gb = hvd.grouped_allgather([a, b])
+    assert torch.equal(ga, a) and torch.equal(gb, b)
+    ra, rb = hvd.grouped_reducescatter([a, torch.ones(3, 2)], op=hvd.Sum)
+    assert torch.equal(ra, a) and rb.shape == (3, 2)
+    with pytest.raises(TypeError, match="expected a list of tensors, got Tensor"):
+        hvd.grouped_allreduce(a)
+
+
+def test_reducescatter_alltoall_allgather_object():
+    t = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(hvd.reducescatter(t, op=hvd.Sum), t)
+    assert torch.equal(hvd.reducescatter(t), t)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        hvd.reducescatter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="expected hvd.Average or hvd.Sum"):
+        hvd.reducescatter(t, op=hvd.Max)
+    assert torch.equal(hvd.alltoall(t), t)  # no splits: the tensor alone
+    out, received = hvd.alltoall(t, splits=[2])
+    assert torch.equal(out, t[:2]) and received.dtype == torch.int32 and received.tolist() == [2]
+    out, received = hvd.alltoall(t, splits=torch.tensor([0]))
+    assert out.shape == (0, 2) and received.tolist() == [0]
+    with pytest.raises(ValueError, match="splits must be 1 non-negative ints"):
+        hvd.alltoall(t, splits=[1, 1])
+    with pytest.raises(ValueError, match="add up to 4, more than the tensor's first dimension"):
+        hvd.alltoall(t, splits=[4])
+    out, received = hvd.synchronize(hvd.alltoall_async(t))  # always both, as Horovod
+    assert torch.equal(out, t) and received.tolist() == [3]
+    assert torch.equal(hvd.synchronize(hvd.reducescatter_async(t, op=hvd.Sum)), t)
+    [rs] = hvd.synchronize(hvd.grouped_reducescatter_async([t], postscale_factor=2))
+    assert torch.equal(rs, 2 * t)
+    [ga] = hvd.synchronize(hvd.grouped_allgather_async([t]))
+    assert torch.equal(ga, t)
+    obj = {"a": [1, 2], "t": torch.ones(1)}
+    [back] = hvd.allgather_object(obj)
+    assert back["a"] == [1, 2] and torch.equal(back["t"], obj["t"])
+
+
+def test_process_sets():
+    assert hvd.global_process_set.ranks == [0] and hvd.global_process_set.process_set_id == 0
+    assert hvd.global_process_set.size() == 1 and hvd.global_process_set.rank() == 0
+    assert hvd.global_process_set.included()
+    assert hvd.allreduce(torch.ones(1), process_set=hvd.global_process_set).item() == 1
+    hvd.barrier(process_set=hvd.global_process_set)
+    subset = hvd.ProcessSet([0])
+    assert subset.size() is None and subset.included() and "ranks=[0]" in str(subset)
+    with pytest.raises(NotImplementedError, match="all workers only"):
+        hvd.add_process_set(subset)
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.allgather(torch.ones(1), process_set=subset)
+    assert hvd.remove_process_set(subset) is False
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    with pytest.raises(ValueError, match="list of ranks"):
+        hvd.ProcessSet("01")
+
+
+def test_differentiable_collectives_in_one_process():
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum, name="g") * torch.tensor([3.0, 4.0])).sum().backward()
+    assert x.grad.tolist() == [3, 4]
+    x.grad = None
+    (hvd.allgather(x) ** 2).sum().backward()
+    assert x.grad.tolist() == [2, 4]
+    x.grad = None
+    hvd.broadcast(x, 0).sum().backward()
+    assert x.grad.tolist() == [1, 1]
+    x.grad = None
+    a, b = hvd.grouped_allreduce([x, x * 2])
+    (a + b).sum().backward()
+    assert x.grad.tolist() == [3, 3]
+    x.grad = None
+    out, _ = hvd.alltoall(x.view(2, 1), splits=[2])
+    (out * 5).sum().backward()
+    assert x.grad.tolist() == [5, 5]
+    x.grad = None
+    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+    assert x.grad.tolist() == [1, 1]
+
+
+def test_sync_batch_norm_in_one_process_equals_batch_norm():
+    torch.manual_seed(3)
+    for momentum, shape in ((0.1, (6, 3, 4, 4)), (None, (5, 3))):
+        sync, plain = hvd.SyncBatchNorm(3, momentum=momentum), torch.nn.BatchNorm2d(3)
+        if len(shape) == 2:
+            plain = torch.nn.BatchNorm1d(3)
+        plain.momentum = momentum
+        with torch.no_grad():
+            for m in (sync, plain):
+                m.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+                m.bias.copy_(torch.tensor([0.1, 0.2, 0.3]))
+        for _ in range(2):
+            x = torch.randn(*shape, dtype=torch.float64).float().requires_grad_()
+            x2 = x.detach().clone().requires_grad_()
+            g = torch.randn(*shape)
+            y, y2 = sync(x), plain(x2)
+            np.testing.assert_allclose(y.detach(), y2.detach(), rtol=1e-5, atol=1e-6)
+            (y * g).sum().backward()
+            (y2 * g).sum().backward()
+            np.testing.assert_allclose(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+            for name in ("weight", "bias"):
+                np.testing.assert_allclose(
+                    getattr(sync, name).grad, getattr(plain, name).grad, rtol=1e-5, atol=1e-5
+                )
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            np.testing.assert_allclose(getattr(sync, name), getattr(plain, name), rtol=1e-5)
+        sync.eval(), plain.eval()
+        x = torch.randn(*shape)
+        np.testing.assert_allclose(sync(x).detach(), plain(x).detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        hvd.SyncBatchNorm(2)(torch.ones(1, 2))
+    with pytest.raises(ValueError, match="at least 2D input"):
+        hvd.SyncBatchNorm(2)(torch.ones(2))
+
+
+def test_timeline_start_and_stop(tmp_path):
+    from kvstore import timeline
+
+    path = str(tmp_path / "trace.json")
+    hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(2), name="traced")
+    hvd.start_timeline(path)  # again: the first is closed, a new one begins
+    hvd.allgather(torch.ones(1), name="second")
+    hvd.stop_timeline()
+    hvd.stop_timeline()  # twice is fine
+    hvd.allreduce(torch.ones(2), name="after")
+    events = timeline.read_events(path + ".worker0")
+    spans = [(e["name"], e["args"].get("name")) for e in events if e["ph"] == "X"]
+    assert spans == [("allgather", "second")]
+    assert timeline.merge(path) == (2, 1)
+    with pytest.raises(ValueError, match="expected a file path"):
+        hvd.start_timeline("")
 
 
 # ---------------------------------------------------------------- DistributedOptimizer

@@ -29,13 +29,17 @@ SCENARIOS = {
     "adam_passes_buckets": ("adam", 3, {"bucket_cap_mb": 2e-3}, 1e-4, 1e-5),
     "sgd_buckets": ("sgd", 1, {"bucket_cap_mb": 2e-3}, 1e-5, 1e-6),
     "sgd_fp16": ("sgd", 1, {"compression": "fp16", "bucket_cap_mb": 2e-3}, 2e-3, 5e-4),
+    # SyncBatchNorm on W workers against BatchNorm2d on the union batch
+    "sgd_syncbn": ("sgd", 1, {"syncbn": True}, 1e-4, 1e-5),
 }
 
 
-def model():
+def model(norm=None):
+    """The test CNN; ``norm`` (a BatchNorm class) after the first convolution."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Conv2d(1, 8, 3),
+        *([] if norm is None else [norm(8)]),
         torch.nn.ReLU(),
         torch.nn.Conv2d(8, 8, 3),
         torch.nn.ReLU(),
@@ -66,12 +70,19 @@ def train(name, rank=None):
     """One scenario. ``rank`` None: plain torch on the union batch; else this worker's share
     through kvstore.torch."""
     opt_name, passes, kwargs, _, _ = SCENARIOS[name]
-    m = model()
+    kwargs = dict(kwargs)
+    norm = None
+    if kwargs.pop("syncbn", False):
+        norm = torch.nn.BatchNorm2d
+        if rank is not None:
+            import kvstore.torch as hvd
+
+            norm = hvd.SyncBatchNorm
+    m = model(norm)
     opt = make_optimizer(opt_name, m.parameters())
     if rank is not None:
         import kvstore.torch as hvd
 
-        kwargs = dict(kwargs)
         if kwargs.get("compression") == "fp16":
             kwargs["compression"] = hvd.Compression.fp16
         opt = hvd.DistributedOptimizer(
@@ -146,6 +157,138 @@ def buckets_in_flight(hvd, name) -> dict:
             out[f"{step}.{i}"] = p.grad.numpy().copy()
         with opt.skip_synchronize():
             opt.step()
+    return out
+
+
+# ---------------------------------------------------------------- the rest of Horovod's API
+
+
+def api_inputs(rank):
+    """Every worker's inputs to :func:`horovod_api`, known to the test too."""
+    g = torch.Generator().manual_seed(77 + rank)
+    return {
+        "reduce": torch.randn(3, 2, generator=g),
+        "ints": torch.tensor([rank + 2, -3 * rank - 1, 5]),
+        "scatter": torch.randn(5, 2, generator=g),
+        "gather": torch.randn(rank + 1, 3, generator=g),
+        "weights": torch.randn(3, 2, generator=g),
+        "gather_weights": torch.randn(3, 3, generator=g),  # one row per gathered row (1 + 2)
+        "bn_x": torch.randn(4, 3, 5, 5, generator=g),
+        "bn_g": torch.randn(4, 3, 5, 5, generator=g),
+        "alltoall": torch.arange(4.0).reshape(4, 1) + 10 * rank,
+    }
+
+
+ALLTOALL_SPLITS = [[1, 2], [3, 0]]  # rank 0 sends 1 row to itself, 2 to rank 1; rank 1: 3, 0
+
+
+def sync_batch_norm(norm, xs, gs, steps=2):
+    """(outputs, input gradients, weight and bias gradients, running stats) of ``norm``
+    (a 3-channel BatchNorm) on ``xs`` with output gradients ``gs``, ``steps`` times."""
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+        norm.bias.copy_(torch.tensor([0.1, 0.2, 0.3]))
+    out = {}
+    for step in range(steps):
+        x = (xs * (step + 1)).requires_grad_()
+        y = norm(x)
+        (y * gs).sum().backward()
+        out.update({f"y{step}": y.detach(), f"dx{step}": x.grad})
+    out.update(
+        {
+            "dw": norm.weight.grad,
+            "db": norm.bias.grad,
+            "mean": norm.running_mean,
+            "var": norm.running_var,
+        }
+    )
+    return {k: v.detach().numpy().tolist() for k, v in out.items()}
+
+
+def horovod_api(hvd, trace: str) -> dict:
+    """Async forms, grouped ops, reducescatter, alltoall, Min/Max/Product, gradients through
+    collectives, SyncBatchNorm, mismatched shapes, join, timeline: the results, as lists."""
+    r = hvd.rank()
+    x = api_inputs(r)
+    out = {
+        op: hvd.allreduce(x["reduce"], op=getattr(hvd, op), name=op).tolist()
+        for op in ("Min", "Max", "Product", "Sum", "Average", "Adasum")
+    }
+    out["int_min_max"] = [hvd.allreduce(x["ints"], op=op).tolist() for op in (hvd.Min, hvd.Max)]
+    out["int_scaled"] = [
+        hvd.allreduce(x["ints"], op=op, postscale_factor=3).tolist()
+        for op in (hvd.Sum, hvd.Average)
+    ]
+    # several in flight, finished in another order than started
+    handles = [
+        hvd.allreduce_async(x["reduce"], op=hvd.Sum, name="async"),
+        hvd.allgather_async(x["gather"], name="async"),
+        hvd.broadcast_async(x["reduce"], root_rank=1, name="async"),
+        hvd.grouped_allreduce_async([x["reduce"], x["scatter"]], op=hvd.Sum, name="async"),
+    ]
+    inplace = x["scatter"].clone()
+    handles.append(hvd.allreduce_async_(inplace, op=hvd.Max, name="async_"))
+    results = [hvd.synchronize(h) for h in reversed(handles)][::-1]
+    out["async"] = [results[0].tolist(), results[1].tolist(), results[2].tolist()]
+    out["async_grouped"] = [t.tolist() for t in results[3]]
+    out["async_inplace"] = [results[4] is inplace, inplace.tolist()]
+    out["grouped_allgather"] = [
+        t.tolist() for t in hvd.grouped_allgather([x["gather"], x["ints"]], name="ga")
+    ]
+    out["reducescatter"] = [
+        hvd.reducescatter(x["scatter"], op=hvd.Sum).tolist(),
+        hvd.reducescatter(x["scatter"]).tolist(),
+    ]
+    out["grouped_reducescatter"] = [
+        t.tolist()
+        for t in hvd.grouped_reducescatter([x["scatter"], x["reduce"]], op=hvd.Sum, name="gr")
+    ]
+    rows, received = hvd.alltoall(x["alltoall"], splits=ALLTOALL_SPLITS[r])
+    out["alltoall"] = [rows.tolist(), received.tolist(), hvd.alltoall(x["alltoall"]).tolist()]
+    h = hvd.alltoall_async(x["alltoall"], splits=ALLTOALL_SPLITS[r], name="async")
+    out["alltoall_async"] = [t.tolist() for t in hvd.synchronize(h)]
+    h = hvd.reducescatter_async(x["scatter"], op=hvd.Sum, name="async")
+    out["reducescatter_async"] = hvd.synchronize(h).tolist()
+    out["objects"] = hvd.allgather_object({"rank": r, "pad": "x" * (100 * r)})
+    # gradients through collectives
+    grads = {}
+    for name, fn, weights in (
+        ("allreduce", lambda t: hvd.allreduce(t, op=hvd.Sum, name="grad"), x["weights"]),
+        ("average", lambda t: hvd.allreduce(t, name="grad_avg"), x["weights"]),
+        ("broadcast", lambda t: hvd.broadcast(t, root_rank=1, name="grad"), x["weights"]),
+    ):
+        t = x["reduce"].clone().requires_grad_()
+        (fn(t) * weights).sum().backward()
+        grads[name] = t.grad.tolist()
+    t = x["gather"].clone().requires_grad_()
+    (hvd.allgather(t, name="grad") * x["gather_weights"]).sum().backward()
+    grads["allgather"] = t.grad.tolist()
+    out["grads"] = grads
+    out["bn"] = sync_batch_norm(hvd.SyncBatchNorm(3), x["bn_x"], x["bn_g"])
+    # mismatched shapes and dtypes: every worker raises, and the job goes on
+    errors = []
+    for bad in (torch.zeros(2 + r), torch.zeros(2, dtype=torch.float64 if r else torch.float32)):
+        for call in (
+            hvd.allreduce,
+            lambda t: hvd.broadcast(t, 0),
+            lambda t: hvd.synchronize(hvd.allreduce_async(t)),
+        ):
+            try:
+                call(bad)
+            except ValueError as exc:
+                errors.append(str(exc))
+    out["mismatch_errors"] = errors
+    out["after_mismatch"] = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()
+    # timeline: this worker's spans while recording
+    hvd.start_timeline(trace)
+    hvd.allreduce(torch.ones(3), name="timed")
+    hvd.stop_timeline()
+    # join: rank 0 runs out of data first; rank 1 reduces alone, then joins last
+    ones = torch.full((2,), float(r + 1))
+    hvd.allreduce(ones, op=hvd.Max, name="join")  # keys exist before the join
+    if r == 1:
+        out["joined_max"] = hvd.allreduce(ones, op=hvd.Max, name="join").tolist()
+    out["join_last"] = hvd.join()
     return out
 
 
@@ -228,6 +371,8 @@ def worker(outdir: str) -> int:
     (out / f"collectives.{hvd.rank()}.json").write_text(json.dumps(collectives(hvd)))
     for name in FLIGHT_VARIANTS:
         np.savez(out / f"flight.{name}.{hvd.rank()}.npz", **buckets_in_flight(hvd, name))
+    api = horovod_api(hvd, str(out / "trace.json"))
+    (out / f"api.{hvd.rank()}.json").write_text(json.dumps(api))
     return 0  # no shutdown: the store closes at exit, as in a Horovod script
 
 
@@ -315,6 +460,99 @@ def test_buckets_in_flight_average_exactly(job, name):
                 )
 
 
+def test_horovod_api_across_workers(job):
+    """Each function against plain torch on both workers' inputs."""
+    got = [json.loads((job / f"api.{r}.json").read_text()) for r in range(WORKERS)]
+    x0, x1 = api_inputs(0), api_inputs(1)
+
+    def close(a, b, rtol=1e-6, atol=1e-7):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=atol)
+
+    a, b = x0["reduce"], x1["reduce"]
+    total = x0["scatter"] + x1["scatter"]
+    both = torch.cat([x0["gather"], x1["gather"]])
+    avg_w = (x0["weights"] + x1["weights"]) / 2
+    avg_gw = (x0["gather_weights"] + x1["gather_weights"]) / 2
+    bn_ref = sync_batch_norm(
+        torch.nn.BatchNorm2d(3),
+        torch.cat([x0["bn_x"], x1["bn_x"]]),
+        torch.cat([x0["bn_g"], x1["bn_g"]]),
+    )
+    sent = [x0["alltoall"], x1["alltoall"]]
+    for r, g in enumerate(got):
+        close(g["Min"], torch.minimum(a, b))
+        close(g["Max"], torch.maximum(a, b))
+        close(g["Product"], a * b)
+        close(g["Sum"], a + b)
+        close(g["Average"], (a + b) / 2)
+        dot = float((a.double() * b.double()).sum())
+        adasum = (1 - dot / (2 * float(a.double().square().sum()))) * a.double() + (
+            1 - dot / (2 * float(b.double().square().sum()))
+        ) * b.double()
+        close(g["Adasum"], adasum, rtol=1e-6, atol=1e-6)
+        assert g["int_min_max"] == [
+            torch.minimum(x0["ints"], x1["ints"]).tolist(),
+            torch.maximum(x0["ints"], x1["ints"]).tolist(),
+        ]
+        ints = x0["ints"] + x1["ints"]
+        assert g["int_scaled"] == [
+            (ints * 3).tolist(),
+            torch.div(ints * 3, 2, rounding_mode="floor").tolist(),
+        ]
+        close(g["async"][0], a + b)
+        close(g["async"][1], both)
+        close(g["async"][2], b)
+        close(g["async_grouped"][0], a + b)
+        close(g["async_grouped"][1], total)
+        assert g["async_inplace"][0] is True
+        close(g["async_inplace"][1], torch.maximum(x0["scatter"], x1["scatter"]))
+        close(g["grouped_allgather"][0], both)
+        assert g["grouped_allgather"][1] == torch.cat([x0["ints"], x1["ints"]]).tolist()
+        rows = slice(0, 3) if r == 0 else slice(3, 5)  # 5 rows: the first worker gets 3
+        close(g["reducescatter"][0], total[rows])
+        close(g["reducescatter"][1], total[rows] / 2)
+        close(g["grouped_reducescatter"][0], total[rows])
+        close(g["grouped_reducescatter"][1], (a + b)[slice(0, 2) if r == 0 else slice(2, 3)])
+        if r == 0:  # rank 0 sent itself row 0; rank 1 sent it rows 0..2
+            expected, received = torch.cat([sent[0][:1], sent[1][:3]]), [1, 3]
+        else:  # rank 0 sent it rows 1..2; rank 1 sent it none
+            expected, received = sent[0][1:3], [2, 0]
+        assert g["alltoall"][:2] == g["alltoall_async"] == [expected.tolist(), received]
+        close(g["reducescatter_async"], total[rows])
+        halves = slice(0, 2) if r == 0 else slice(2, 4)
+        assert g["alltoall"][2] == torch.cat([sent[0][halves], sent[1][halves]]).tolist()
+        assert g["objects"] == [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 100}]
+        # gradients (Horovod's definitions)
+        close(g["grads"]["allreduce"], x0["weights"] + x1["weights"])
+        close(g["grads"]["average"], avg_w)
+        close(g["grads"]["broadcast"], avg_w if r == 1 else torch.zeros(3, 2))
+        close(g["grads"]["allgather"], avg_gw[0:1] if r == 0 else avg_gw[1:3])
+        # SyncBatchNorm: rank r's rows of one BatchNorm2d on the union batch
+        bn, half = g["bn"], slice(4 * r, 4 * r + 4)
+        for k in ("y0", "y1", "dx0", "dx1"):
+            close(bn[k], np.asarray(bn_ref[k])[half], rtol=1e-5, atol=1e-5)
+        for k in ("mean", "var"):
+            close(bn[k], bn_ref[k], rtol=1e-5, atol=1e-6)
+        errors = g["mismatch_errors"]
+        assert len(errors) == 6, errors
+        for e in errors[:3]:
+            assert "every worker must pass tensors of the same names, dtypes and shapes" in e
+            assert "rank 0: [-: float32 (2,)]; rank 1: [-: float32 (3,)]" in e, e
+        for e in errors[3:]:
+            assert "rank 0: [-: float32 (2,)]; rank 1: [-: float64 (2,)]" in e, e
+        assert g["after_mismatch"] == [2.0, 2.0]
+        from kvstore import timeline
+
+        events = timeline.read_events(str(job / f"trace.json.worker{r}"))
+        spans = {(e["name"], (e.get("args") or {}).get("name")) for e in events}
+        assert ("allreduce", "timed") in spans and any(n == "pushpull" for n, _ in spans), spans
+        assert g["join_last"] == 1  # rank 0 joined first
+    # the weight and bias gradients stay each worker's: their sum is the union's
+    for k in ("dw", "db"):
+        close(np.add(got[0]["bn"][k], got[1]["bn"][k]), bn_ref[k], rtol=1e-5, atol=1e-5)
+    assert got[1]["joined_max"] == [2.0, 2.0]  # rank 0 joined: left out of the maximum
+
+
 def mnist_accuracy(out: str) -> list[float]:
     return [
         float(line.split("Accuracy: ")[1].rstrip("%\n"))
@@ -341,6 +579,21 @@ def test_horovod_mnist_example_matches_one_process():
     assert len(acc_one) == len(acc_dist) == 2, dist
     assert acc_one[-1] >= 95 and abs(acc_dist[-1] - acc_one[-1]) <= 3, (acc_one, acc_dist)
     assert "Traceback" not in dist and "Exception ignored" not in dist
+
+
+def test_horovod_synthetic_benchmark_example_runs():
+    """Horovod's pytorch_synthetic_benchmark.py, its import changed, a few steps of ResNet-18."""
+    example = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
+    code = "\n".join(line for line in example.read_text().splitlines() if not line.startswith("#"))
+    assert "import kvstore.torch as hvd" in code and "horovod.torch" not in code
+    out = launch(
+        example,
+        *("--model", "resnet18", "--batch-size", "2", "--num-warmup-batches", "1"),
+        *("--num-batches-per-iter", "1", "--num-iters", "2"),
+    )
+    assert "Model: resnet18" in out and "Number of CPUs: 2" in out, out
+    assert "Img/sec per CPU: " in out and "Total img/sec on 2 CPU(s): " in out, out
+    assert "Traceback" not in out
 
 
 def test_step_benchmark_smoke():
