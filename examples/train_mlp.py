@@ -14,7 +14,7 @@ as PyTorch's DistributedSampler), computes the mean gradient of its batch (split
 and pushes it; the optimizer divides the sum by the number of workers (``rescale_grad``). So
 W workers with batch B take exactly the steps one process takes with batch W x B.
 
-``--kv-store dist_ssp`` is bounded staleness (``KVSTORE_STALENESS``, default 2): a worker may
+``--kv-store dist_ssp`` is bounded staleness (``KVSTORE_STALENESS``, default 1): a worker may
 run that many steps ahead of the slowest. ``--step-ms`` makes every step sleep that long (a
 bigger model's compute) and ``--slow F`` makes a straggler sleep F times as long::
 

@@ -57,7 +57,7 @@ def create(name: str = "local", staleness=None) -> KVStore:
     in lower case, as in MXNet.
 
     ``dist_ssp`` is bounded staleness: ``staleness`` rounds (an int, or ``'inf'``; default
-    ``KVSTORE_STALENESS``, else 2) that a worker may run ahead of the slowest (README,
+    ``KVSTORE_STALENESS``, else 1) that a worker may run ahead of the slowest (README,
     "Bounded staleness").
 
     A distributed type reads the cluster from the ``DMLC_*`` environment (set by the launcher)

@@ -38,7 +38,7 @@ class Config:
     start_timeout: float = 60.0
     request_timeout: float = 600.0
     round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
-    staleness: float = 2  # KVSTORE_STALENESS: dist_ssp's bound in rounds; inf: as dist_async
+    staleness: float = 1  # KVSTORE_STALENESS: dist_ssp's bound in rounds; inf: as dist_async
     stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
@@ -236,9 +236,9 @@ def _require(env, name: str) -> str:
 
 def staleness_of(raw, where: str) -> float:
     """``dist_ssp``'s bound: a count of rounds (an int >= 0), or ``inf`` for no bound (the
-    store then behaves as ``dist_async``). Unset: 2."""
+    store then behaves as ``dist_async``). Unset: 1."""
     if raw is None or raw == "":
-        return 2
+        return 1
     if isinstance(raw, str) and raw.strip().lower() in ("inf", "infinite", "infinity"):
         return float("inf")
     try:

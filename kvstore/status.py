@@ -333,6 +333,25 @@ def job_view(
         "bytes": sum(w["metrics"].get("bp", 0) + w["metrics"].get("bl", 0) for w in workers),
         "rounds": min((w["metrics"].get("pushes", 0) for w in workers), default=0),
         "metrics": cfg.metrics,
+        "ssp": _staleness_view(workers, servers) if store == "dist_ssp" else None,
+    }
+
+
+def _staleness_view(workers: list, servers: list) -> dict:
+    """``dist_ssp``: each worker's clock (its pushes of its most pushed key), how far it is
+    ahead of the slowest, and the servers' count of reads by how many of the reader's rounds
+    they were behind."""
+    clocks = {w["rank"]: w["metrics"].get("clock", 0) for w in workers if w["state"] == "running"}
+    slowest = min(clocks.values(), default=0)
+    reads: list = []
+    for s in servers:
+        for lag, count in enumerate(s["metrics"].get("stale", ())):
+            if lag >= len(reads):
+                reads.append(0)
+            reads[lag] += count
+    return {
+        "clocks": [[r, c, c - slowest] for r, c in sorted(clocks.items())],
+        "reads": reads,
     }
 
 
@@ -446,6 +465,8 @@ class _Collector:
                 bytes_out.add_metric([rank], m["bout"])
         yield from (node_up, age, rss, cpu, *families.values(), calls, latency)
         yield from (requests, bytes_in, bytes_out)
+        if view.get("ssp"):
+            yield from _staleness_metrics(view["ssp"], gauge, HistogramMetricFamily)
 
         key_bytes = counter("key_bytes", f"bytes pushed and pulled, top {TOP} keys", ["key"])
         key_rounds = counter("key_pushes", f"pushes of a key by a worker, top {TOP}", ["key"])
@@ -463,6 +484,26 @@ class _Collector:
         for rank, key, part, nbytes, _ in view["parts"]:
             part_bytes.add_metric([str(rank), str(key), str(part)], nbytes)
         yield part_bytes
+
+
+def _staleness_metrics(ssp: dict, gauge, histogram):
+    clock = gauge("worker_clock", "dist_ssp: a worker's pushes of its most pushed key", ["rank"])
+    ahead = gauge("worker_ahead_rounds", "dist_ssp: a worker's clock less the slowest's", ["rank"])
+    for rank, c, lead in ssp["clocks"]:
+        clock.add_metric([str(rank)], c)
+        ahead.add_metric([str(rank)], lead)
+    reads = histogram(
+        "kvstore_staleness_rounds",
+        "dist_ssp reads (servers' answers) by how many of the reader's rounds they lacked",
+    )
+    buckets, total = [], 0
+    for lag, count in enumerate(ssp["reads"]):
+        total += count
+        buckets.append((repr(float(lag)), total))
+    buckets.append(("+Inf", total))
+    weighted = sum(lag * count for lag, count in enumerate(ssp["reads"]))
+    reads.add_metric([], buckets, weighted)
+    yield from (clock, ahead, reads)
 
 
 def _bound(bound: float) -> str:
@@ -569,12 +610,34 @@ def _main(v: dict, cfg) -> str:
     )
     stalls = stalls or "<li>none</li>"
     stall_html = f'<section><h2>Stalls</h2><ul id="stalls">{stalls}</ul></section>'
+    if v.get("ssp"):
+        stall_html += _staleness_html(v["ssp"])
     updated = time.strftime("%H:%M:%S", time.localtime(v["time"]))
     foot = (
         f'<footer>updated <span id="updated">{updated}</span> <span id="conn"></span> &middot; '
         '<a href="metrics">/metrics</a> &middot; <a href="status.json">/status.json</a></footer>'
     )
     return f"<main>{head}{plot}{nodes}{stall_html}{keys}{foot}</main>"
+
+
+def _staleness_html(ssp: dict) -> str:
+    rows = "".join(
+        f"<tr><td>{r}</td><td>{c}</td><td>{ahead}</td></tr>" for r, c, ahead in ssp["clocks"]
+    )
+    total = sum(ssp["reads"]) or 1
+    reads = ", ".join(
+        f"{lag}: {count} ({100 * count / total:.0f}%)"
+        for lag, count in enumerate(ssp["reads"])
+        if count
+    )
+    return (
+        '<section><h2>Staleness (dist_ssp)</h2><table id="clocks"><thead><tr><th>worker</th>'
+        "<th>clock</th><th>ahead of the slowest</th></tr></thead><tbody>"
+        + (rows or '<tr><td colspan="3">no worker running</td></tr>')
+        + "</tbody></table><p>reads by rounds behind the reader: "
+        + (reads or "none yet")
+        + "</p></section>"
+    )
 
 
 def _rates(history: list) -> tuple[float, float]:

@@ -86,6 +86,41 @@ def test_known_traffic_gives_exact_counters(cluster, tmp_path):
     assert c.wait(procs, 30) == [0] * workers
 
 
+def test_dist_ssp_shows_clocks_and_how_stale_each_read_was(cluster, tmp_path):
+    steps, workers = 20, 2
+    port = free_port()
+    c = cluster(1, workers, KVSTORE_STATUS_PORT=port, KVSTORE_STALENESS=1)
+    release = tmp_path / "release"
+    env = dict(c.env, TRAFFIC_STORE="dist_ssp")
+    procs = c.start_workers("traffic.py", [steps, 64, release], env=env)
+    try:
+        for i in range(workers):
+            c.wait_for_output(f"worker{i}", "done", 30)
+        reads = ("kvstore_staleness_rounds_count", frozenset())
+
+        def counted():
+            return scrape(port).get(reads) == workers * steps
+
+        assert poll_until(counted, 20), scrape(port)
+        got = scrape(port)
+        for r in range(workers):
+            assert got[("kvstore_worker_clock", frozenset({("rank", str(r))}))] == steps
+            assert got[("kvstore_worker_ahead_rounds", frozenset({("rank", str(r))}))] == 0
+        # no read lacked more than KVSTORE_STALENESS=1 of the reader's rounds
+        buckets = {
+            float(dict(labels)["le"]): v
+            for (name, labels), v in got.items()
+            if name == "kvstore_staleness_rounds_bucket"
+        }
+        assert min(le for le, v in buckets.items() if v == workers * steps) <= 1, buckets
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as reply:
+            page = reply.read().decode()
+        assert "Staleness (dist_ssp)" in page and "reads by rounds behind" in page, page
+    finally:
+        release.touch()
+    assert c.wait(procs, 30) == [0] * workers
+
+
 def test_ten_thousand_keys_keep_a_heartbeat_small():
     m = metrics.NodeMetrics("worker")
     items = [Item(k, [np.ones(k % 50 + 1, np.float32)], []) for k in range(10_000)]

@@ -21,6 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvstore
+from kvstore.config import staleness_of
+from kvstore.errors import ConfigError
 from kvstore.rounds import Apply, Fail, Reply, Rounds
 
 SIZES = {"a": 2, "b": 3}
@@ -229,3 +232,15 @@ def test_counters_read_within_the_bound_with_random_delays(cluster, staleness, s
         assert stale == 0, outs  # s = 0 is dist_sync: every read holds every round
     else:
         assert stale > 0, outs  # the fast workers did read ahead of the slow one
+
+
+def test_the_bound_setting():
+    assert staleness_of(None, "KVSTORE_STALENESS") == 1
+    assert staleness_of("3", "KVSTORE_STALENESS") == 3
+    assert staleness_of("inf", "KVSTORE_STALENESS") == float("inf")
+    assert staleness_of(0, "staleness") == 0
+    for bad in ("-1", "1.5", "two", 2.5):
+        with pytest.raises(ConfigError, match="expected a number of rounds"):
+            staleness_of(bad, "KVSTORE_STALENESS")
+    with pytest.raises(ValueError, match="for 'dist_ssp' only"):
+        kvstore.create("dist_sync", staleness=2)

@@ -3,6 +3,7 @@
 N pushpulls of one float32 key of BYTES bytes, then prints ``done`` and, given RELEASE (a
 path), waits for that file before closing, so the scheduler's counters can be read while the
 job runs. Given STOP, it goes on with pushpulls (20 a second) until that file exists.
+The store type is ``TRAFFIC_STORE`` (default ``dist_sync``).
 """
 
 import os
@@ -18,7 +19,7 @@ release = sys.argv[3] if len(sys.argv) > 3 else ""
 stop = sys.argv[4] if len(sys.argv) > 4 else ""
 pause = threading.Event()
 
-kv = kvstore.create("dist_sync")
+kv = kvstore.create(os.environ.get("TRAFFIC_STORE", "dist_sync"))
 kv.init("w", np.zeros(nbytes // 4, np.float32))
 grad = np.ones(nbytes // 4, np.float32)
 out = np.empty_like(grad)
