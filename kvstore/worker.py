@@ -539,7 +539,7 @@ class DistStore(KVStore):
         unacked, requests, clocks = self._unacked, self._requests, self._clocks
         ids = [i for item in items for i in unacked.pop(item.key, ()) if i in requests]
         if ids:
-            self._wait(f"{what} (dist_ssp: {self._staleness} rounds ahead of the slowest)", ids)
+            self._wait(f"{what} (dist_ssp, staleness {self._staleness})", ids)
         clock = 0
         for item in items:
             clock = max(clock, clocks.get(item.key, 0) + 1)
