@@ -1,9 +1,10 @@
 """dist_ssp's contract on the round machine, against a plain model; no processes, no sockets.
 
-Hypothesis writes W <= 8 workers' programs (every worker pushes each key the same number of
-times, with pulls anywhere, as a training loop does) and an interleaving in which any worker
-may run ahead. Each worker follows the client's rule (``DistStore._bound``): it pushes a key
-again only once its last push of it was answered, and it waits for its pulls. Checked:
+Hypothesis writes W <= 8 workers' programs (every worker pushes the keys of each step, with
+pulls anywhere, as a training loop does; some run out of data and ``join``, counting as
+zeros) and an interleaving in which any worker may run ahead. Each worker follows the
+client's rule (``DistStore._bound``): it pushes a key again only once its last push of it was
+answered, and it waits for its pulls. Checked:
 
 - every reply of a pull or pushpull at clock ``c`` (the reader's pushes of the key) is the
   model's value after ``d`` complete rounds with ``c - s <= d <= c``: it holds every worker's
@@ -50,7 +51,7 @@ class Model:
     def expected(self, key, done: int) -> np.ndarray:
         value = self.init[key].copy()
         for i in range(done):
-            total = sum(p[i] for p in self.pushes[key])
+            total = sum(p[i] for p in self.pushes[key] if len(p) > i)  # joined: zeros
             value = 0.5 * value + total if self.updater else total
         return value
 
@@ -122,12 +123,17 @@ def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(scn, updat
     ops = []
     for _ in range(workers):
         mine = []
-        for keys in steps:
+        length = len(steps)
+        if data.draw(st.booleans(), label="runs out of data"):  # then joins: zeros from now on
+            length = data.draw(st.integers(0, len(steps)), label="steps before join")
+        for keys in steps[:length]:
             if data.draw(st.booleans(), label="pull first"):
                 mine.append(
                     ("pull", sorted(data.draw(st.sets(st.sampled_from(sorted(SIZES)), min_size=1))))
                 )
             mine.append((data.draw(st.sampled_from(["push", "pushpull"])), keys))
+        if length < len(steps):
+            mine.append(("join", []))
         ops.append(mine)
     pc = [0] * workers
     blocking: list = [None] * workers  # the pull or pushpull a worker waits for
@@ -140,6 +146,8 @@ def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(scn, updat
             if blocking[r] is not None and blocking[r] not in m.outcomes:
                 return False
             kind, keys = ops[r][pc[r]]
+            if kind == "join":  # join waits until every request of this worker is answered
+                keys = list(unacked[r])
             return kind == "pull" or all(
                 unacked[r].get(k) is None or unacked[r][k] in m.outcomes for k in keys
             )
@@ -152,6 +160,10 @@ def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(scn, updat
         pc[r] += 1
         if kind == "pull":
             blocking[r] = m.pull(r, keys)
+            continue
+        if kind == "join":
+            m.events.append(("join", None, r, None))
+            m._run(m.rounds.joined(r, 0.0))
             continue
         q = m.push(r, kind, keys, {k: _grad(data, k) for k in keys})
         for k in keys:
@@ -172,8 +184,9 @@ def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(scn, updat
     if s == 0:  # the same events through dist_sync's rules say the same
         sync = Model(workers, None, updater)
         for kind, q, rank, payload in m.events:
-            sync.ids = q - 1
-            if kind == "push":
+            if kind == "join":
+                sync._run(sync.rounds.joined(rank, 0.0))
+            elif kind == "push":
                 sync.requests[q] = m.requests[q]
                 sync._run(sync.rounds.push(q, rank, payload, True, 0.0))
             else:
