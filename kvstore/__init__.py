@@ -50,9 +50,10 @@ ALIASES = {
 }
 
 
-def create(name: str = "local", staleness=None) -> KVStore:
+def create(name: str = "local", staleness: int | float | str | None = None) -> KVStore:
     """Create a store by MXNet's name: ``local``, ``device``, ``dist_sync`` (or ``dist``),
-    ``dist_device_sync`` (or ``dist_sync_device``), ``dist_async``; any letter case, and
+    ``dist_device_sync`` (or ``dist_sync_device``), ``dist_ssp``, ``dist_async``; any letter
+    case, and
     every other name MXNet accepts (see :data:`ALIASES`). ``kv.type`` is the name given,
     in lower case, as in MXNet.
 

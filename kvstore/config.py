@@ -241,9 +241,11 @@ def staleness_of(raw, where: str) -> float:
         return 1
     if isinstance(raw, str) and raw.strip().lower() in ("inf", "infinite", "infinity"):
         return float("inf")
+    if isinstance(raw, float) and raw == float("inf"):
+        return raw
     try:
-        value = int(raw)
-    except (TypeError, ValueError):
+        value = -1 if isinstance(raw, bool) else int(raw)
+    except (TypeError, ValueError, OverflowError):
         value = -1
     if value < 0 or value >= 2**31 or (isinstance(raw, float) and raw != value):
         raise ConfigError(

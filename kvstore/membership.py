@@ -472,7 +472,8 @@ class Membership:
             type(r) is int and r in workers for r in [*b["missing"], *b["waiting"]]
         ):
             return _refuse(server.identity, msg, "scheduler: bad stall report")
-        what = f"dist_sync round {b['round']} of key {b['key']} on {server.name}"
+        mode = "dist_ssp" if b.get("clocks") is not None else "dist_sync"
+        what = f"{mode} round {b['round']} of key {b['key']} on {server.name}"
         in_barrier = [r for r in b["missing"] if self._doing(workers[r]) == "waits in barrier()"]
         stuck = [r for r in b["waiting"] if self._doing(workers[r]) != "waits in barrier()"]
         if in_barrier and stuck:
@@ -502,14 +503,16 @@ class Membership:
             f"(pushed by {b['present']}): {'; '.join(parts)} ({self._deadline()})"
         )
         clocks = b.get("clocks")
+        behind = [r for r in workers if r not in self.joined]
         if (
             isinstance(clocks, list)
             and len(clocks) == len(workers)
             and all(type(c) is int for c in clocks)
             and b["waiting"]
+            and behind
         ):
             # dist_ssp: the waiting workers are held back by the bound, not by a sync round
-            slowest = min(range(len(clocks)), key=clocks.__getitem__)
+            slowest = min(behind, key=clocks.__getitem__)
             ahead = ", ".join(f"worker {r} at clock {clocks[r]}" for r in b["waiting"])
             text = (
                 f"stall: dist_ssp holds back {ahead} on key {b['key']} ({server.name}): "

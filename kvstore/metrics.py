@@ -51,7 +51,7 @@ BUCKETS = (
     30.0,
     60.0,
 )
-STALE_MAX = 64  # dist_ssp staleness histogram: reads n rounds behind, n up to this (and more)
+STALE_MAX = 64  # dist_ssp staleness histogram: reads n rounds behind, n < this; the last: more
 TOP = 20  # keys (and server parts) by bytes that each heartbeat carries
 _PUSHES = ("push", "pushpull")
 _PULLS = ("pull", "pushpull")

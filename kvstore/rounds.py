@@ -137,19 +137,21 @@ class Rounds:
         self, request, rank: int, grads: list, sync: bool, now: float, staleness: int | None = None
     ) -> list:
         """``grads``: ``[(key, array)]``, the keys known and the arrays checked by the caller.
-        ``staleness``: ``dist_ssp``'s bound (``None``: ``dist_sync``); under it a push is
-        answered before its round completes, so the caller gives arrays nobody writes to."""
+        ``staleness``: ``dist_ssp``'s bound (``None``: ``dist_sync``, or ``dist_async`` when
+        not ``sync``; -1: ``dist_ssp`` unbounded, whose pushes are async); under a bound a
+        push is answered before its round completes, so the caller gives arrays nobody
+        writes to."""
         actions: list = []
         self._requests[request] = len(grads)
         for key, grad in grads:
             state = self.keys[key]
-            if not sync:
-                actions.append(Apply(key, grad, accumulate=True))
-                self._key_ready(request, actions)
-                continue
             wrong = self._check_staleness(state, rank, staleness)
             if wrong:
                 self._fail(request, wrong, actions)
+                continue
+            if not sync:
+                actions.append(Apply(key, grad, accumulate=True))
+                self._key_ready(request, actions)
                 continue
             if rank in self.joined_ranks:
                 self._fail(
@@ -179,8 +181,11 @@ class Rounds:
             self._advance(state, now, actions)
         return actions
 
-    def pull(self, request, rank: int, keys: list, staleness: int | None = None) -> list:
-        """A pull waits, per key, for the rounds this worker has pushed (less ``staleness``)."""
+    def pull(
+        self, request, rank: int, keys: list, staleness: int | None = None, flush: bool = False
+    ) -> list:
+        """A pull waits, per key, for the rounds this worker has pushed (less ``staleness``;
+        a ``flush`` waits for all of them, whatever the bound)."""
         actions: list = []
         self._requests[request] = len(keys)
         for key in keys:
@@ -189,7 +194,8 @@ class Rounds:
             if wrong:
                 self._fail(request, wrong, actions)
                 continue
-            need = state.pushed[rank] - (staleness or 0)
+            bound = staleness if staleness is not None and staleness > 0 and not flush else 0
+            need = state.pushed[rank] - bound
             if state.done >= need:
                 self._key_ready(request, actions)
             elif state.dead_from is not None and need > state.dead_from:
@@ -233,7 +239,7 @@ class Rounds:
             self._kill(
                 state,
                 state.done,
-                f"dist_sync round {state.done} of key {self.describe(key)} timed out after "
+                f"{_kind(state)} round {state.done} of key {self.describe(key)} timed out after "
                 f"{self.round_timeout:g}s (KVSTORE_ROUND_TIMEOUT): worker rank(s) {missing} "
                 f"did not push it; rank(s) {self._present(state)} did",
                 actions,
@@ -366,7 +372,7 @@ class Rounds:
             return False  # nobody waits on a round the finished worker skipped
         state.dead_from = limit
         state.dead_why = (
-            f"dist_sync round {limit} of key {self.describe(state.name)} can never complete: "
+            f"{_kind(state)} round {limit} of key {self.describe(state.name)} can never complete: "
             f"worker {rank} finished (closed its store) after {limit} push(es) of it, while "
             f"rank(s) {[r for r, n in enumerate(state.pushed) if n > limit]} pushed more. Every "
             "worker must push each key the same number of times; a worker out of data calls join()"
@@ -406,5 +412,11 @@ class Rounds:
             actions.append(Fail(request, text))
 
 
+def _kind(state: _Key) -> str:
+    return "dist_sync" if state.staleness is None else "dist_ssp"
+
+
 def _mode(staleness: int | None) -> str:
-    return "dist_sync" if staleness is None else f"dist_ssp with staleness {staleness}"
+    if staleness is None:
+        return "dist_sync or dist_async"
+    return f"dist_ssp with staleness {'inf' if staleness < 0 else staleness}"

@@ -282,7 +282,7 @@ class Server:
         self._send(identity, error_reply(request, self.name, f"{self.name}: {text}"))
 
     def _reply(self, req: Request) -> None:
-        if req.msg.kind == "push":
+        if req.msg.kind == "push" or req.msg.body.get("flush") is True:
             self._send(req.identity, Message("ack", req.msg.id, self.name))
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
@@ -466,8 +466,9 @@ class Server:
         return grads
 
     def _shared_pushes(self, msg: Message, keys: list, rank: int) -> dict:
-        """{index: gradient} of the pushes a same-host worker left in shared memory, copied
-        out (the worker writes the segment again only once this push is answered)."""
+        """{index: gradient} of the pushes a same-host worker left in shared memory, as
+        read-only views (the worker writes the segment again only once this push is answered;
+        ``_on_push`` copies those that ``dist_ssp`` answers before their round completes)."""
         entries = msg.body.get("shm")
         if not entries:
             return {}
@@ -497,8 +498,8 @@ class Server:
             if segment.nbytes != stored.nbytes or int(segment.counters[0]) != seq:
                 raise ValueError(f"shm: segment {name} does not hold push {seq} of {_show(key)}")
             # summed straight from the segment, no copy: the worker writes this region again
-            # only once this push is answered (after its round is applied); read-only, so no
-            # round keeps it as a buffer to write into
+            # only once this push is answered (in dist_sync, after its round is applied);
+            # read-only, so no round keeps it as a buffer to write into
             view = segment.push.view(stored.dtype)
             view.flags.writeable = False
             found[index] = view
@@ -546,7 +547,11 @@ class Server:
         grads = self._grads(msg, self._keys(msg), rank)
         sync = bool(msg.body.get("sync", True))
         staleness = _staleness(msg)
-        if staleness and self._shm_of:  # kept past its answer: the worker may write it again
+        if staleness is not None and (staleness < 0) == sync:
+            raise ValueError("ssp: an unbounded (-1) dist_ssp push is async, a bounded one sync")
+        if (
+            staleness is not None and staleness > 0 and self._shm_of
+        ):  # kept past its answer: the worker may write it again
             grads = [(k, g.copy() if _in_segment(g) else g) for k, g in grads]
         now = time.monotonic()
         request = Request(identity, msg)
@@ -555,7 +560,9 @@ class Server:
     @metrics.served
     def _on_pull(self, identity, rank, msg) -> None:
         keys = self._keys(msg)
-        self._execute(self.rounds.pull(Request(identity, msg), rank, keys, _staleness(msg)))
+        flush = msg.body.get("flush") is True
+        request = Request(identity, msg)
+        self._execute(self.rounds.pull(request, rank, keys, _staleness(msg), flush))
 
     def _on_optimizer(self, identity, rank, msg) -> None:
         """Every worker sends its optimizer; the first installs it, the same spec again keeps
@@ -584,12 +591,12 @@ class Server:
 
 
 def _staleness(msg: Message) -> int | None:
-    """``dist_ssp``'s bound a request carries (None: not ``dist_ssp``)."""
+    """``dist_ssp``'s bound a request carries (None: not ``dist_ssp``; -1: unbounded)."""
     s = msg.body.get("ssp")
     if s is None:
         return None
-    if type(s) is not int or not 0 <= s < 2**31:
-        raise ValueError(f"ssp: expected a staleness bound in [0, 2**31), got {s!r:.40}")
+    if type(s) is not int or not -1 <= s < 2**31:
+        raise ValueError(f"ssp: expected a staleness bound in [-1, 2**31), got {s!r:.40}")
     return s
 
 

@@ -19,7 +19,9 @@ the pull region (the server writes the value it answers with there)::
   the push region again only once the server has answered that push, i.e. after its round
   was applied (a ZeroMQ message, so the server's reads happen before the worker's next write
   on any CPU, weakly ordered ones included); a push of a part whose previous push is still
-  unanswered goes through TCP instead. (The ``consumed`` slot is unused.)
+  unanswered goes through TCP instead. (``dist_ssp`` answers a push before its round
+  completes: the server copies such a push out of the segment on arrival.) (The
+  ``consumed`` slot is unused.)
 - pull: the server copies the stored value into the pull region before it answers with an
   empty array and ``{"shm": [index, ...]}``; the worker reads it on receipt, and has one
   pulling request per key in flight, so the region is never written while it reads.

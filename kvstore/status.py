@@ -39,7 +39,7 @@ from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from .metrics import BUCKETS, TOP
+from .metrics import BUCKETS, STALE_MAX, TOP
 
 log = logging.getLogger("kvstore.status")
 
@@ -499,7 +499,8 @@ def _staleness_metrics(ssp: dict, gauge, histogram):
     buckets, total = [], 0
     for lag, count in enumerate(ssp["reads"]):
         total += count
-        buckets.append((repr(float(lag)), total))
+        if lag < STALE_MAX:  # the last slot counts every read further behind: +Inf only
+            buckets.append((repr(float(lag)), total))
     buckets.append(("+Inf", total))
     weighted = sum(lag * count for lag, count in enumerate(ssp["reads"]))
     reads.add_metric([], buckets, weighted)

@@ -1,4 +1,5 @@
-"""The distributed store a worker uses: ``dist_sync``, ``dist_device_sync``, ``dist_async``.
+"""The distributed store a worker uses: ``dist_sync``, ``dist_device_sync``, ``dist_ssp``,
+``dist_async``.
 
 :class:`DistStore` is a driver: it owns the sockets (one DEALER per server, the pipe to the
 control thread), the shared segments and one wait loop; what to send and what a reply means
@@ -95,7 +96,7 @@ def _close_at_exit(ref) -> None:
         store._close_quietly()
 
 
-def create_dist(kind: str, staleness=None) -> KVStore:
+def create_dist(kind: str, staleness: int | float | str | None = None) -> KVStore:
     """Build the store for this process's ``DMLC_ROLE``; servers and schedulers never return."""
     if sys.excepthook is not _note_uncaught:  # first: a bad setting exits 2 too
         global _previous_hook
@@ -131,8 +132,10 @@ class DistStore(KVStore):
         super().__init__(kind)
         self.cfg = cfg
         ssp = kind == "dist_ssp"
-        self._sync = kind != "dist_async" and not (ssp and cfg.staleness == float("inf"))
-        # dist_ssp's bound (None: not dist_ssp, or unbounded and so dist_async)
+        unbounded = ssp and cfg.staleness == float("inf")
+        self._sync = kind != "dist_async" and not unbounded
+        # dist_ssp's bound, the client's to keep (None: not dist_ssp, or unbounded and so
+        # dist_async); the servers hear it with every request (-1: unbounded)
         self._staleness = int(cfg.staleness) if ssp and self._sync else None
         self._unacked: dict = {}  # dist_ssp: key -> ids of its last push's requests
         self._clocks: dict = {}  # dist_ssp: key -> this worker's pushes of it
@@ -178,7 +181,11 @@ class DistStore(KVStore):
             "join_done": self._on_answer,
         }
         self._planner = Planner(
-            len(self._servers), cfg.bigarray_bound, (), cfg.piece_bytes, self._staleness
+            len(self._servers),
+            cfg.bigarray_bound,
+            (),
+            cfg.piece_bytes,
+            -1 if unbounded else self._staleness,
         )
         self._residuals: dict = {}
         self._optimizer: Optimizer | None = None
@@ -537,9 +544,11 @@ class DistStore(KVStore):
         answered, which the servers do once it is at most ``staleness`` rounds ahead of the
         slowest worker; and its clock (for the status page) advances."""
         unacked, requests, clocks = self._unacked, self._requests, self._clocks
-        ids = [i for item in items for i in unacked.pop(item.key, ()) if i in requests]
+        ids = [i for item in items for i in unacked.get(item.key, ()) if i in requests]
         if ids:
             self._wait(f"{what} (dist_ssp, staleness {self._staleness})", ids)
+        for item in items:
+            unacked.pop(item.key, None)
         clock = 0
         for item in items:
             clock = max(clock, clocks.get(item.key, 0) + 1)
@@ -704,11 +713,25 @@ class DistStore(KVStore):
         try:
             if self._failure is None:
                 self._wait("close")
+                if self._staleness is not None and self._clocks:
+                    self._flush()
         except KVStoreError:
             finalize = self._failure is None  # a refused request: still a normal end
             raise
         finally:
             self._shutdown(finalize and self._failure is None)
+
+    def _flush(self) -> None:
+        """``dist_ssp``: wait until every round this worker pushed is complete. Its pushes
+        were answered up to ``staleness`` rounds early: a round that can never complete (a
+        worker closed before pushing it) is an error here, not a push lost in silence."""
+        ids = [
+            self._send(
+                leg.server, "pull", {"keys": leg.wire, "ssp": self._staleness, "flush": True}
+            )
+            for leg in self._planner.route(tuple(self._clocks), False)
+        ]
+        self._wait("close (dist_ssp: the rounds this worker pushed)", ids)
 
     def _shutdown(self, finalize: bool) -> None:
         self._closed = True

@@ -217,6 +217,24 @@ def test_workers_must_agree_on_the_bound():
     assert "dist_ssp with staleness 1" in fail.text and "staleness 2" in fail.text
     (fail,) = r.pull("c", 1, ["w"], None)
     assert isinstance(fail, Fail) and "dist_sync" in fail.text
+    (fail,) = r.push("d", 1, [("w", np.ones(1))], False, 0.0, -1)  # unbounded: async
+    assert isinstance(fail, Fail) and "staleness inf" in fail.text
+
+
+def test_a_push_answered_early_into_a_round_that_can_never_complete_fails_the_flush():
+    """Worker 0 pushes 3 times, worker 1 twice and closes: round 2 can never complete. Its
+    push was answered (s=1), so the client's flush at close is where it hears of it."""
+    r = Rounds(num_workers=2, round_timeout=0)
+    r.add_key("w")
+    one = np.ones(1)
+    for n in range(3):  # each of worker 0's pushes is answered (the third one round early)
+        assert Reply(("a", n)) in r.push(("a", n), 0, [("w", one)], True, 0.0, 1)
+        if n < 2:
+            r.push(("b", n), 1, [("w", one)], True, 0.0, 1)
+    assert r.pull("read", 0, ["w"], 1) == [Reply("read")]  # clock 3, rounds 0..1 done
+    assert r.finished(1) == []  # nobody waits on round 2 yet
+    (fail,) = r.pull("flush", 0, ["w"], 1, flush=True)
+    assert isinstance(fail, Fail) and "can never complete" in fail.text
 
 
 def test_a_stall_names_the_clocks_of_a_held_back_worker():
@@ -257,3 +275,13 @@ def test_the_bound_setting():
             staleness_of(bad, "KVSTORE_STALENESS")
     with pytest.raises(ValueError, match="for 'dist_ssp' only"):
         kvstore.create("dist_sync", staleness=2)
+
+
+def test_a_push_that_can_never_be_applied_is_an_error_at_close(cluster):
+    c = cluster(1, 2)
+    workers = c.start_workers("ssp_short.py")
+    c.wait(workers, 60)
+    assert "CLOSE: ok" in c.output("worker1"), c.dump()
+    out = c.output("worker0")
+    assert "pulled [-4.0, -4.0, -4.0]" in out, c.dump()  # rounds 0 and 1 of 2 workers' ones
+    assert "CLOSE: " in out and "can never complete" in out.split("CLOSE: ")[1], c.dump()
