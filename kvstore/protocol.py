@@ -78,6 +78,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "command": {"name": (str,)},
     "hello": {"host": (str,)},
     "auth": {"proof": (str,)},  # the proof of a hello's challenge (kvstore.auth)
+    # row-sparse keys (kvstore.sparse): part = the server; arrays are (ids, rows) per key
+    "sparse_init": {"keys": (list,), "meta": (list,)},  # meta: [rows, dim, dtype, init]
+    "sparse_push": {"keys": (list,)},
+    "sparse_pull": {"keys": (list,)},  # arrays: the row ids wanted, per key
+    "sparse_rows": {"keys": (list,), "since": (int,)},  # rows changed after a step
+    "sparse_load": {"keys": (list,)},
     # both
     "ack": {},
     "error": {"message": (str,)},
