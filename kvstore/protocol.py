@@ -129,7 +129,8 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
                 small.append(bytes(pad))
             packed_at += pad
             specs.append([a.dtype.str, list(a.shape), 0, packed_at])
-            small.append(a.tobytes() if a.ndim == 0 else memoryview(a).cast("B"))
+            # a 0-d or an empty N-d array has no byte view to cast (empty row sets do travel)
+            small.append(a.tobytes() if a.ndim == 0 or a.size == 0 else memoryview(a).cast("B"))
             packed_at += a.nbytes
         else:
             frame = 1 + len(big)

@@ -98,6 +98,10 @@ class RowSparse:
         """The number of rows held (with duplicates)."""
         return int(self.indices.size)
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.indices.nbytes + self.data.nbytes)
+
     def __repr__(self) -> str:
         return f"RowSparse({self.nnz} rows of {self.shape}, {self.dtype})"
 
@@ -527,3 +531,131 @@ def write_rows(out, ids: np.ndarray, rows_of) -> None:
     out[...] = 0
     if unique.size:
         out[xp.asarray(unique)] = xp.asarray(rows.astype(out.dtype, copy=False))
+
+
+# ---------------------------------------------------------------- the worker's messages
+
+
+def plan_init(items, num_server: int) -> list:
+    """``sparse_init`` per server: every server holds a part (its rows) of every key."""
+    from .plan import Outgoing
+
+    legs: list = [([], [], []) for _ in range(num_server)]
+    for item in items:
+        v = item.value
+        meta = [v.shape[0], v.shape[1], v.dtype.str, v.init or zeros()]
+        for server, pos in enumerate(split_by_server(v.indices, num_server)):
+            keys, metas, arrays = legs[server]
+            keys.append((item.key, server))
+            metas.append(meta)
+            arrays += [v.indices[pos], np.ascontiguousarray(v.data[pos])]
+    return [
+        Outgoing(s, "sparse_init", tuple(k), [list(x) for x in k], {"meta": m}, tuple(a))
+        for s, (k, m, a) in enumerate(legs)
+    ]
+
+
+def plan_push(items, num_server: int, sync: bool) -> list:
+    """``sparse_push`` per server, with every key: a server with none of a key's rows gets an
+    empty set, so that its round of the key completes (it counts this worker's push)."""
+    from .plan import Outgoing
+
+    legs: list = [([], []) for _ in range(num_server)]
+    for item in items:
+        v = item.value
+        for server, pos in enumerate(split_by_server(v.indices, num_server)):
+            keys, arrays = legs[server]
+            keys.append((item.key, server))
+            if num_server == 1:
+                arrays += [v.indices, np.ascontiguousarray(v.data)]
+            else:
+                arrays += [v.indices[pos], v.data[pos]]
+    body = {"sync": sync}
+    return [
+        Outgoing(s, "sparse_push", tuple(k), [list(x) for x in k], body, tuple(a))
+        for s, (k, a) in enumerate(legs)
+    ]
+
+
+def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
+    """``sparse_pull`` to the servers holding rows wanted (the ids of every output of a key
+    asked once), and the :class:`RowCollector` that writes the replies."""
+    from .plan import Outgoing
+
+    legs: list = [([], []) for _ in range(num_server)]
+    wanted = []
+    for item in items:
+        unique = np.unique(np.concatenate(item.ids)) if item.ids else np.empty(0, np.int64)
+        splits = split_by_server(unique, num_server)
+        wanted.append((item, unique, splits))
+        for server, pos in enumerate(splits):
+            if pos.size:
+                keys, arrays = legs[server]
+                keys.append((item.key, server))
+                arrays.append(unique[pos])
+    collector = RowCollector(wanted, metas)
+    out = [
+        Outgoing(s, "sparse_pull", tuple(k), [list(x) for x in k], {}, tuple(a))
+        for s, (k, a) in enumerate(legs)
+        if k
+    ]
+    return out, collector
+
+
+class RowCollector:
+    """The outputs of one ``row_sparse_pull`` and the reply parts it still waits for; the same
+    contract as :class:`kvstore.plan.Collector` (``expect``, ``receive``, ``cancel``,
+    ``finish``): nothing is written into the caller's outputs before ``finish``."""
+
+    def __init__(self, wanted: list, metas: dict):
+        self.cancelled = False
+        self.reason = ""
+        self._wanted = wanted
+        self._blocks: dict = {}
+        self._positions: dict = {}
+        for item, unique, splits in wanted:
+            meta = metas[item.key]
+            self._blocks[item.key] = np.empty((unique.size, meta.shape[1]), meta.dtype)
+            for server, pos in enumerate(splits):
+                self._positions[(item.key, server)] = pos
+        self._expected: dict = {}
+
+    def expect(self, request: int, keys: tuple) -> None:
+        self._expected[request] = keys
+
+    def receive(self, request: int, keys, arrays) -> None:
+        from .plan import ReplyError
+
+        asked = self._expected.pop(request, None)
+        if asked is None or self.cancelled:
+            return
+        if len(keys) != len(asked) or len(arrays) != len(asked):
+            self.cancel()
+            raise ReplyError(f"the reply holds {len(keys)} keys, expected {len(asked)}")
+        for where, got, rows in zip(asked, keys, arrays, strict=True):
+            block = self._blocks[where[0]]
+            pos = self._positions[where]
+            if list(got) != list(where) or rows.shape != (pos.size, block.shape[1]):
+                self.cancel()
+                raise ReplyError(
+                    f"key {where[0]!r} server {where[1]}: got {got!r:.60} with rows "
+                    f"{rows.shape}, expected {pos.size} x {block.shape[1]}"
+                )
+            if rows.dtype != block.dtype:
+                self.cancel()
+                raise ReplyError(f"key {where[0]!r}: rows of {rows.dtype}, expected {block.dtype}")
+        for where, rows in zip(asked, arrays, strict=True):
+            self._blocks[where[0]][self._positions[where]] = rows
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self.cancelled:
+            self.cancelled, self.reason = True, reason
+        self._expected.clear()
+
+    def finish(self) -> None:
+        if self.cancelled:
+            return
+        for item, unique, _ in self._wanted:
+            block = self._blocks[item.key]
+            for out, ids in zip(item.outs, item.ids, strict=True):
+                write_rows(out, ids, lambda u, b=block, w=unique: b[np.searchsorted(w, u)])

@@ -72,6 +72,10 @@ class RowsItem:
     outs: list | None = None
     ids: list | None = None
 
+    @property
+    def values(self) -> list:  # the metrics read an item's first value and output
+        return [self.value]
+
 
 _NUMBER_KINDS = "biufc"  # not object, str, bytes, void (structured) or datetime arrays
 

@@ -1,0 +1,14 @@
+"""Row-sparse keys on real clusters: MXNet's nightly row-sparse checks and more, one worker
+script per cluster (tests/workers/sparse_nightly.py)."""
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "num_server,num_worker,dtype",
+    [(1, 2, "float32"), (2, 2, "float16"), (2, 3, "float32"), (1, 3, "float16")],
+)
+def test_sparse_nightly(cluster, num_server, num_worker, dtype):
+    c = cluster(num_server, num_worker)
+    outs = c.run_workers("sparse_nightly.py", ["dist_sync", dtype, 1], timeout=120)
+    assert all(f"OK sparse {dtype}" in o for o in outs), outs
