@@ -297,10 +297,12 @@ class RowTable:
     def __init__(self, dim: int, dtype, init: dict | None = None, rows: int = 2**63 - 1):
         self.dim, self.dtype, self.rows = int(dim), np.dtype(dtype), int(rows)
         self.init = check_init(init)
+        # int32 slots and steps: a server holds fewer than 2**31 rows of a key (that would
+        # be 512 GiB at dim 64), and 10^6 rows of dim 64 with a state fit in 512 MiB
         self.ids = np.empty(0, np.int64)  # sorted
-        self.slots = np.empty(0, np.int64)  # slot of ids[i]
+        self.slots = np.empty(0, np.int32)  # slot of ids[i]
         self.block = np.empty((0, self.dim), self.dtype)
-        self.changed = np.empty(0, np.int64)
+        self.changed = np.empty(0, np.int32)
         self.states: tuple = ()  # optimizer state blocks, shaped like block
         self.state_of = None  # the optimizer the states belong to
         self.count = 0  # rows stored
@@ -320,7 +322,7 @@ class RowTable:
         """(found mask, slot per id; -1 where absent) for any ids."""
         n = self.ids.size
         if n == 0:
-            return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int64)
+            return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32)
         pos = np.searchsorted(self.ids, ids)
         clipped = np.minimum(pos, n - 1)
         found = self.ids[clipped] == ids
@@ -334,7 +336,7 @@ class RowTable:
         new = ids[~found]
         first = self.count
         self._grow(first + new.size)
-        made = np.arange(first, first + new.size, dtype=np.int64)
+        made = np.arange(first, first + new.size, dtype=np.int32)
         init_rows(self.init, new, self.dim, self.dtype, out=self.block[first : first + new.size])
         self.changed[made] = self.step
         if self.state_of is not None:
@@ -349,15 +351,24 @@ class RowTable:
         return slots
 
     def _grow(self, need: int) -> None:
+        """Room for ``need`` rows. The arrays grow in place (``realloc``: for a big block,
+        glibc's ``mremap`` moves pages rather than copying them), so the slack can be small:
+        memory follows the rows stored within 1/64."""
         capacity = self.block.shape[0]
         if need <= capacity:
             return
-        capacity = max(need, capacity + capacity // 2, 64)
+        if need >= 2**31:
+            raise ValueError(f"a server holds at most 2**31 - 1 rows of a key; {need} asked")
+        capacity = min(max(need, capacity + capacity // 64, 256), 2**31 - 1)
 
         def grown(a):
-            b = np.empty((capacity, *a.shape[1:]), a.dtype)
-            b[: self.count] = a[: self.count]
-            return b
+            try:  # no view of these arrays outlives a call of this class: resize is safe
+                a.resize((capacity, *a.shape[1:]), refcheck=False)
+                return a
+            except ValueError:  # not its own memory: copy
+                b = np.empty((capacity, *a.shape[1:]), a.dtype)
+                b[: self.count] = a[: self.count]
+                return b
 
         self.block = grown(self.block)
         self.changed = grown(self.changed)
