@@ -12,3 +12,9 @@ def test_sparse_nightly(cluster, num_server, num_worker, dtype):
     c = cluster(num_server, num_worker)
     outs = c.run_workers("sparse_nightly.py", ["dist_sync", dtype, 1], timeout=120)
     assert all(f"OK sparse {dtype}" in o for o in outs), outs
+
+
+def test_sparse_async_loses_no_push(cluster):
+    c = cluster(2, 2)
+    outs = c.run_workers("sparse_async.py", ["dist_async"], timeout=120)
+    assert all("OK async rows" in o for o in outs), outs
