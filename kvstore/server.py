@@ -695,18 +695,20 @@ class Server:
 
     def _reply_rows(self, req: Request) -> None:
         msg = req.msg
-        if msg.kind == "sparse_push":
+        if msg.kind == "sparse_push" and not msg.body.get("pull"):
             self._send(req.identity, Message("ack", msg.id, self.name))
             return
         keys = [tuple(k) for k in msg.body["keys"]]
         body: dict = {"keys": msg.body["keys"]}
         if msg.kind == "sparse_pull":
             arrays = [self.rows.tables[k].read(ids) for k, ids in zip(keys, msg.arrays)]
+        elif msg.kind == "sparse_push":  # a pushpull: the rows pushed, after the round
+            arrays = [self.rows.tables[k].read(msg.arrays[2 * i]) for i, k in enumerate(keys)]
         else:  # sparse_rows: the rows changed after a step, and the step now
             table = self.rows.tables[keys[0]]
             arrays = list(table.changed_since(msg.body["since"]))
             body["step"] = table.step
-        kind = "data" if msg.kind == "sparse_pull" else "ack"  # ack: ids and rows, one key
+        kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
         self._send(req.identity, Message(kind, msg.id, self.name, body, arrays))
 
 

@@ -171,6 +171,15 @@ def _from_coo(rows, cols, values, shape) -> RowSparse:
     return RowSparse(ids, data, shape)
 
 
+def _increasing(ids: np.ndarray) -> bool:
+    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
+def _unique(ids: np.ndarray) -> np.ndarray:
+    """``np.unique``, at once for ids already sorted and unique (the common case)."""
+    return ids if _increasing(ids) else np.unique(ids)
+
+
 def sum_rows(values: list, shape, dtype) -> RowSparse:
     """The sum of several pushes of a key (devices, or workers in rank order), canonical."""
     values = [v for v in values if v.nnz]
@@ -179,6 +188,16 @@ def sum_rows(values: list, shape, dtype) -> RowSparse:
     if len(values) == 1:
         v = values[0]
         return RowSparse(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
+    if all(_increasing(v.indices) for v in values):
+        # each push canonical (the servers' case): add each into the union's rows, in order;
+        # no sort of the rows themselves (0 + a + b is a + b: the same sum as below)
+        # sorted runs: a stable sort merges them in linear time; then drop the repeats
+        union = np.sort(np.concatenate([v.indices for v in values]), kind="stable")
+        union = union[np.r_[True, union[1:] != union[:-1]]]
+        total = np.zeros((union.size, shape[1]), dtype)
+        for v in values:
+            total[np.searchsorted(union, v.indices)] += v.data
+        return RowSparse(union, total, shape)
     ids = np.concatenate([v.indices for v in values])
     data = np.concatenate([v.data.astype(dtype, copy=False) for v in values])
     return RowSparse(ids, data, shape).canonical()
@@ -531,7 +550,7 @@ def write_rows(out, ids: np.ndarray, rows_of) -> None:
     """Fill ``out`` with the rows ``ids``: a :class:`RowSparse` gets the unique sorted ids and
     their rows, a dense array of the table's shape those rows and 0 elsewhere. ``rows_of(u)``
     gives the rows of sorted unique ids ``u``."""
-    unique = np.unique(ids)
+    unique = _unique(ids)
     rows = rows_of(unique)
     if isinstance(out, RowSparse):
         out.indices, out.data = unique, rows.astype(out.data.dtype, copy=False)
@@ -566,10 +585,21 @@ def plan_init(items, num_server: int) -> list:
     ]
 
 
-def plan_push(items, num_server: int, sync: bool) -> list:
+def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None):
     """``sparse_push`` per server, with every key: a server with none of a key's rows gets an
-    empty set, so that its round of the key completes (it counts this worker's push)."""
+    empty set, so that its round of the key completes (it counts this worker's push). With
+    ``pulls`` (a pushpull), each server answers with its rows once the round is applied, and
+    a :class:`RowCollector` for them comes back too."""
     from .plan import Outgoing
+
+    if pulls is not None:
+        wanted = []
+        for item, pull in zip(items, pulls, strict=True):
+            unique = item.value.indices
+            wanted.append((pull, unique, split_by_server(unique, num_server)))
+        collector = RowCollector(wanted, metas)
+        out = plan_push(items, num_server, sync)
+        return [o._replace(body={**o.body, "pull": True}) for o in out], collector
 
     legs: list = [([], []) for _ in range(num_server)]
     for item in items:
@@ -596,7 +626,10 @@ def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
     legs: list = [([], []) for _ in range(num_server)]
     wanted = []
     for item in items:
-        unique = np.unique(np.concatenate(item.ids)) if item.ids else np.empty(0, np.int64)
+        if len(item.ids) == 1:
+            unique = _unique(item.ids[0])
+        else:
+            unique = np.unique(np.concatenate(item.ids)) if item.ids else np.empty(0, np.int64)
         splits = split_by_server(unique, num_server)
         wanted.append((item, unique, splits))
         for server, pos in enumerate(splits):
@@ -669,4 +702,4 @@ class RowCollector:
         for item, unique, _ in self._wanted:
             block = self._blocks[item.key]
             for out, ids in zip(item.outs, item.ids, strict=True):
-                write_rows(out, ids, lambda u, b=block, w=unique: b[np.searchsorted(w, u)])
+                write_rows(out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)])

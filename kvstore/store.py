@@ -448,15 +448,22 @@ class KVStore:
             self._row_sparse_pull_rows([k for k, _, _ in rows], [o for _, _, o in rows], ids)
             return
         pushed = [self._rows_value(what, k, v) for k, v, _ in rows]
+        items = [RowsItem(k, p) for (k, _, _), p in zip(rows, pushed, strict=True)]
         self._pushed = True
-        self._push_rows([RowsItem(k, p) for (k, _, _), p in zip(rows, pushed, strict=True)])
-        if what == "pushpull":
-            outs_ = []
-            for (k, v, o), p in zip(rows, pushed, strict=True):
-                outs_.append(o)
-            self._row_sparse_pull_rows(
-                [k for k, _, _ in rows], outs_, [p.indices for p in pushed]
-            )
+        if what == "push":
+            self._push_rows(items)
+            return
+        pulls = self._rows_pull_items(
+            [k for k, _, _ in rows], [o for _, _, o in rows], [p.indices for p in pushed]
+        )
+        for item, pull in zip(items, pulls, strict=True):
+            item.outs = pull.outs  # what the metrics count as pulled
+        self._pushpull_rows(items, pulls)
+
+    def _pushpull_rows(self, items, pulls) -> None:
+        """Push ``items``, then pull the rows each pushed into ``pulls``' outputs."""
+        self._push_rows(items)
+        self._pull_rows(pulls)
 
     def _rows_value(self, what: str, key, value) -> RowSparse:
         """The canonical sum of a key's pushed values (one per device)."""
@@ -540,6 +547,11 @@ class KVStore:
             raise ValueError("row_sparse_pull: with a list of keys, give one row_ids per key")
         if len(outs) != len(keys):
             raise ValueError("row_sparse_pull: with a list of keys, give one out per key")
+        self._pull_rows(self._rows_pull_items(keys, outs, ids))
+
+    def _rows_pull_items(self, keys, outs, ids) -> list:
+        """Checked :class:`RowsItem` s of a row-sparse pull: one list of outputs and one id
+        array per output, per key."""
         items = []
         for k, o, r in zip(keys, outs, ids, strict=True):
             meta = self._sparse.get(k)
@@ -573,7 +585,7 @@ class KVStore:
                 )
             checked = [check_ids("row_sparse_pull", k, x, meta.shape[0]) for x in id_list]
             items.append(RowsItem(k, outs=key_outs, ids=checked))
-        self._pull_rows(items)
+        return items
 
     def save_rows(self, key, since: int = 0) -> tuple[RowSparse, int]:
         """The rows of a row-sparse key changed after step ``since`` (a step is a round

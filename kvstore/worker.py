@@ -562,6 +562,15 @@ class DistStore(KVStore):
         _, trackers = self._commit("push", outgoing)
         self._wait("push", ids=(), trackers=trackers)
 
+    @metrics.observed("pushpull")
+    def _pushpull_rows(self, items, pulls):
+        """One message per server: the push, answered with the pushed rows once its round
+        is applied."""
+        n = len(self._servers)
+        outgoing, collector = sparse.plan_push(items, n, self._sync, pulls, self._sparse)
+        ids, trackers = self._commit("pushpull", outgoing, collector)
+        self._collect("pushpull", ids, trackers, collector)
+
     @metrics.observed("pull")
     def _pull_rows(self, items):
         outgoing, collector = sparse.plan_pull(items, len(self._servers), self._sparse)
