@@ -343,9 +343,10 @@ class RowTable:
         if n == 0:
             return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32)
         pos = np.searchsorted(self.ids, ids)
-        clipped = np.minimum(pos, n - 1)
-        found = self.ids[clipped] == ids
-        return found, np.where(found, self.slots[clipped], -1)
+        found = self.ids.take(pos, mode="clip") == ids  # past the end: clipped, not equal
+        if found.all():  # every row present: the common case, one pass less
+            return found, self.slots[pos]
+        return found, np.where(found, self.slots.take(pos, mode="clip"), -1)
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Slots of sorted unique ``ids``, creating the absent rows."""

@@ -18,3 +18,10 @@ def test_sparse_async_loses_no_push(cluster):
     c = cluster(2, 2)
     outs = c.run_workers("sparse_async.py", ["dist_async"], timeout=120)
     assert all("OK async rows" in o for o in outs), outs
+
+
+def test_server_refuses_bad_row_requests_and_serves_on(cluster):
+    c = cluster(2, 1)
+    outs = c.run_workers("sparse_refusals.py", timeout=60)
+    assert "OK refusals" in outs[0], outs
+    assert "Traceback" not in c.output("server0")
