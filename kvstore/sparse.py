@@ -107,11 +107,21 @@ class RowSparse:
 
     # ---- constructors
     @classmethod
-    def empty(cls, shape, dtype=np.float32, init=None) -> RowSparse:
+    def empty(
+        cls, shape, dtype=np.float32, init=None, admit_after: int = 1, evict_after: int = 0
+    ) -> RowSparse:
         """No rows: ``kv.init(key, RowSparse.empty((10**9, 64), init=uniform(-0.1, 0.1)))``
-        declares a table whose rows are created when first pushed."""
+        declares a table whose rows are created when first pushed.
+
+        ``admit_after=k``: a row is stored only from the k-th round that pushes it (the
+        pushes before are dropped; reads give its initial value): rare ids cost nothing.
+        ``evict_after=T``: a row no round has changed for T rounds is dropped (its next read
+        gives its initial value again; checked every T/2 rounds)."""
         dim = int(shape[1]) if isinstance(shape, (tuple, list)) and len(shape) == 2 else 0
-        return cls(np.empty(0, np.int64), np.empty((0, dim), dtype), shape, init)
+        spec = check_init(init)
+        if admit_after != 1 or evict_after:
+            spec = check_init({**spec, "admit_after": admit_after, "evict_after": evict_after})
+        return cls(np.empty(0, np.int64), np.empty((0, dim), dtype), shape, spec)
 
     @classmethod
     def from_dense(cls, array, init=None) -> RowSparse:
@@ -257,7 +267,14 @@ def check_init(spec) -> dict:
         raise ValueError(f"row initializer {spec!r}: std must be >= 0")
     if spec["kind"] in ("uniform", "normal") and not 0 <= spec["seed"] < 2**64:
         raise ValueError(f"row initializer {spec!r}: seed must be in [0, 2**64)")
-    return {"kind": spec["kind"], **{k: spec[k] for k in _INIT_FIELDS[spec["kind"]]}}
+    checked = {"kind": spec["kind"], **{k: spec[k] for k in _INIT_FIELDS[spec["kind"]]}}
+    for rule, low in (("admit_after", 1), ("evict_after", 0)):  # row admission and eviction
+        if rule in spec:
+            value = spec[rule]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+                raise ValueError(f"{rule} must be an int in [{low}, 2**31), got {value!r}")
+            checked[rule] = value
+    return checked
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -326,6 +343,10 @@ class RowTable:
         self.state_of = None  # the optimizer the states belong to
         self.count = 0  # rows stored
         self.step = 0  # rounds applied
+        self.admit_after = self.init.get("admit_after", 1)
+        self.evict_after = self.init.get("evict_after", 0)
+        self.cand_ids = np.empty(0, np.int64)  # rows pushed, not yet admitted (sorted)
+        self.cand_counts = np.empty(0, np.int32)  # rounds that pushed each
 
     def __len__(self) -> int:
         return self.count
@@ -334,6 +355,7 @@ class RowTable:
     def nbytes(self) -> int:
         """Memory held: the block, the states, the index (capacity, not only rows used)."""
         arrays = (self.ids, self.slots, self.block, self.changed, *self.states)
+        arrays += (self.cand_ids, self.cand_counts)
         return sum(a.nbytes for a in arrays)
 
     # ---- lookup
@@ -425,6 +447,10 @@ class RowTable:
         count ``t`` and rate ``lr``: lazily on the touched rows, or on every stored row when
         the optimizer's ``lazy_update`` is False (as MXNet's ``lazy_update=False``)."""
         self.step += 1
+        if self.evict_after and self.step % max(1, self.evict_after // 2) == 0:
+            self._evict(self.step - 1 - self.evict_after)  # first: a row evicted now re-enters
+        if self.admit_after > 1:
+            ids, rows = self._admit(ids, rows)
         slots = self.slots_of(ids)
         if optimizer is None:
             if accumulate:
@@ -448,6 +474,48 @@ class RowTable:
         grad[slots] = rows
         optimizer.update(self.block[:n], grad, tuple(s[:n] for s in self.states), lr, t)
         self.changed[:n] = self.step
+
+    def _admit(self, ids: np.ndarray, rows: np.ndarray):
+        """The ids (and rows) of this round that are stored or admitted now; the others
+        count one more round as candidates."""
+        found, _ = self.find(ids)
+        if found.all():
+            return ids, rows
+        new = ids[~found]
+        pos = np.searchsorted(self.cand_ids, new)
+        if self.cand_ids.size:
+            known = self.cand_ids.take(pos, mode="clip") == new
+        else:
+            known = np.zeros(new.size, bool)
+        counts = np.ones(new.size, np.int32)
+        counts[known] += self.cand_counts[pos[known]]
+        admitted = counts >= self.admit_after
+        self.cand_counts[pos[known & ~admitted]] = counts[known & ~admitted]
+        fresh = ~known & ~admitted
+        gone = pos[known & admitted]  # admitted candidates leave the list
+        cand_ids = np.insert(self.cand_ids, pos[fresh], new[fresh])
+        cand_counts = np.insert(self.cand_counts, pos[fresh], counts[fresh])
+        gone = gone + np.searchsorted(pos[fresh], gone, side="right")
+        self.cand_ids, self.cand_counts = np.delete(cand_ids, gone), np.delete(cand_counts, gone)
+        keep = found.copy()
+        keep[~found] = admitted
+        return ids[keep], rows[keep]
+
+    def _evict(self, limit: int) -> None:
+        """Drop the rows last changed at step ``limit`` or before; the others are compacted
+        to the front of the blocks, in id order."""
+        live = self.changed[self.slots] > limit
+        if live.all():
+            return
+        kept = self.slots[live]
+        m = kept.size
+        self.block[:m] = self.block[kept]
+        self.changed[:m] = self.changed[kept]
+        for state in self.states:
+            state[:m] = state[kept]
+        self.ids = self.ids[live]
+        self.slots = np.arange(m, dtype=np.int32)
+        self.count = m
 
     def _states_for(self, optimizer) -> None:
         if self.state_of is optimizer:

@@ -219,3 +219,37 @@ def test_memory_grows_with_rows_touched():
         table.apply(chunk, np.ones((chunk.size, 64), np.float32), sgd, 1, 0.1)
     assert len(table) == ids.size
     assert table.nbytes < 512 * 2**20, table.nbytes
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rounds=st.lists(st.lists(st.integers(0, 15), max_size=6), max_size=14),
+    admit=st.integers(1, 3),
+    evict=st.sampled_from([0, 1, 2, 5]),
+)
+def test_admission_and_eviction_match_a_model(rounds, admit, evict):
+    """A row is stored from the ``admit``-th round that pushes it; a row unchanged for
+    ``evict`` rounds is dropped at the next check (every evict // 2 rounds); an absent row
+    reads as its initial value."""
+    init = sparse.uniform(-1, 1, seed=2)
+    table = RowTable(2, np.float32, {**init, "admit_after": admit, "evict_after": evict})
+    stored, counts, last = {}, {}, {}
+    for r, ids in enumerate(rounds, 1):
+        ids = sorted(set(ids))
+        if evict and r % max(1, evict // 2) == 0:
+            for i in [i for i in stored if last[i] <= r - 1 - evict]:
+                del stored[i], last[i]
+        for i in ids:
+            if i not in stored:
+                counts[i] = counts.get(i, 0) + 1
+                if counts[i] < admit:
+                    continue
+                del counts[i]
+            stored[i], last[i] = float(r), r
+        table.apply(np.array(ids, np.int64), np.full((len(ids), 2), r, np.float32))
+    everything = np.arange(16)
+    first = sparse.init_rows(init, everything, 2, np.float32)
+    want = np.array([[stored[i]] * 2 if i in stored else first[i] for i in everything])
+    np.testing.assert_array_equal(table.read(everything), want)
+    assert len(table) == len(stored)
+    assert sorted(table.ids.tolist()) == sorted(stored)

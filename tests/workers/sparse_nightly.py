@@ -9,7 +9,8 @@
   30% of the rows; a pull of 1200 random ids per worker.
 - beyond MXNet: a 10^9-row key with a seeded initializer (the same first values on every
   worker and server), several outputs with one id set and with one per output, pushes from
-  two "devices" summed, keys with zero rows among others in a list, pushpull, save_rows.
+  two "devices" summed, keys with zero rows among others in a list, pushpull, save_rows,
+  row admission after 2 rounds.
 
 With ``SGD(learning_rate=1, rescale_grad=rate)`` and pushes of ``-(rank + 1)``, a row pushed
 by a set of workers gains ``rate * sum(rank + 1)`` per round, as MXNet's 'test' optimizer.
@@ -126,5 +127,14 @@ rows, step = kv.save_rows("huge", since=0)
 check("save_rows ids", rows.indices, seen)
 again, step2 = kv.save_rows("huge", since=step)
 check("save_rows since", again.nnz, 0)
+# admission: a row is stored from the 2nd round that pushes it (a round counts once,
+# whatever the number of workers pushing the row); the SGD update then starts from its
+# initial value (0 here)
+kv.init("adm", RowSparse.empty(shape, dtype, admit_after=2))
+for i in range(2):
+    kv.push("adm", grad([1], shape, -(rank + 1)))
+    got = np.zeros(shape, dtype)
+    kv.row_sparse_pull("adm", out=got, row_ids=[1])
+    check(f"admission round {i}", got[1], [0.0 if i == 0 else rate * W * (W + 1) / 2] * 3)
 kv.close()
 print(f"rank {rank} OK sparse {dtype}", flush=True)
