@@ -262,10 +262,11 @@ class Server:
         return 0
 
     # ---- sending
-    def _send(self, identity: bytes, msg: Message, keys=None) -> None:
-        """Send without blocking; ``keys`` name the stored arrays the message carries."""
+    def _send(self, identity: bytes, msg: Message, keys=None, track: bool = True) -> None:
+        """Send without blocking; ``keys`` name the stored arrays the message carries
+        (``track=False``: it carries only fresh copies)."""
         try:
-            sent = transport.send(self.sock, msg, route=identity)
+            sent = transport.send(self.sock, msg, route=identity, track=track)
         except zmq.Again:
             if identity not in self._lost:
                 self._lost.add(identity)
@@ -709,7 +710,8 @@ class Server:
             arrays = list(table.changed_since(msg.body["since"]))
             body["step"] = table.step
         kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
-        self._send(req.identity, Message(kind, msg.id, self.name, body, arrays))
+        # the rows are gathered copies, never written again: no trackers
+        self._send(req.identity, Message(kind, msg.id, self.name, body, arrays), track=False)
 
 
 def _peer_of(frame) -> bytes:
