@@ -68,29 +68,8 @@ def worker_main(args) -> int:
                 )
                 for _ in range(4)
             ]
-            out = RowSparse.empty(shape, np.float32)
-            one = RowSparse.empty(shape, np.float32)
-            turn = iter(range(1 << 30))
-
-            def push_k(k=4):
-                for _ in range(k):
-                    kv.push(key, grads[next(turn) % 4])
-                kv.row_sparse_pull(key, out=one, row_ids=grads[0].indices[:1])
-
-            def pull():
-                kv.row_sparse_pull(key, out=out, row_ids=grads[next(turn) % 4].indices)
-
-            def step():
-                g = grads[next(turn) % 4]
-                kv.push(key, g)
-                kv.row_sparse_pull(key, out=out, row_ids=g.indices)
-
-            def pushpull():
-                kv.pushpull(key, grads[next(turn) % 4], out=out)
-
             # every worker runs the same number of steps (rounds must match): fixed counts
-            for what, fn, rows_per_call in (("push", push_k, 4 * req), ("pull", pull, req),
-                                            ("step", step, req), ("pushpull", pushpull, req)):
+            for what, fn, rows_per_call in calls(kv, key, shape, grads, req):
                 kv.barrier()
                 times = timed(fn, args.reps, 1e9, warmup=1)
                 rates = [rows_per_call / t for t in times]
@@ -129,6 +108,38 @@ def worker_main(args) -> int:
     return 0
 
 
+def calls(kv, key, shape, grads, req) -> list:
+    """(name, call, rows per call) of the measured operations on one table."""
+    from kvstore.sparse import RowSparse
+
+    out = RowSparse.empty(shape, np.float32)
+    one = RowSparse.empty(shape, np.float32)
+    turn = iter(range(1 << 30))
+
+    def push_k(k=4):
+        for _ in range(k):
+            kv.push(key, grads[next(turn) % 4])
+        kv.row_sparse_pull(key, out=one, row_ids=grads[0].indices[:1])
+
+    def pull():
+        kv.row_sparse_pull(key, out=out, row_ids=grads[next(turn) % 4].indices)
+
+    def step():
+        g = grads[next(turn) % 4]
+        kv.push(key, g)
+        kv.row_sparse_pull(key, out=out, row_ids=g.indices)
+
+    def pushpull():
+        kv.pushpull(key, grads[next(turn) % 4], out=out)
+
+    return [
+        ("push", push_k, 4 * req),
+        ("pull", pull, req),
+        ("step", step, req),
+        ("pushpull", pushpull, req),
+    ]
+
+
 # ---------------------------------------------------------------- the driver
 
 
@@ -151,16 +162,24 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
         cmd += ["--anchor", anchor, "--run-anchor"]
     procs, per_worker = [], []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.scheduler"],
-                                      env=dict(env, DMLC_ROLE="scheduler")))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kvstore.scheduler"], env=dict(env, DMLC_ROLE="scheduler")
+            )
+        )
         procs += [
-            subprocess.Popen([sys.executable, "-m", "kvstore.server"],
-                             env=dict(env, DMLC_ROLE="server"))
+            subprocess.Popen(
+                [sys.executable, "-m", "kvstore.server"], env=dict(env, DMLC_ROLE="server")
+            )
             for _ in range(args.servers)
         ]
         workers = [
-            subprocess.Popen(cmd, env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK=str(i)),
-                             stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                cmd,
+                env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK=str(i)),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for i in range(args.workers)
         ]
         procs += workers
@@ -178,11 +197,21 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
                 p.wait(10)
     rows = []
     for recs in zip(*per_worker, strict=True):  # per measurement: the mean over workers
-        runs = [statistics.fmean(r["rows_per_s"][i] for r in recs)
-                for i in range(len(recs[0]["rows_per_s"]))]
-        rows.append({**{k: recs[0][k] for k in ("op", "dim", "req")}, "config": "kvstore",
-                     "median": statistics.median(runs), "min": min(runs), "max": max(runs),
-                     "n": len(runs), "workers": len(recs)})
+        runs = [
+            statistics.fmean(r["rows_per_s"][i] for r in recs)
+            for i in range(len(recs[0]["rows_per_s"]))
+        ]
+        rows.append(
+            {
+                **{k: recs[0][k] for k in ("op", "dim", "req")},
+                "config": "kvstore",
+                "median": statistics.median(runs),
+                "min": min(runs),
+                "max": max(runs),
+                "n": len(runs),
+                "workers": len(recs),
+            }
+        )
     return rows
 
 
@@ -202,9 +231,18 @@ def zmq_rows(args) -> list[dict]:
 
                 times = timed(once, max(args.reps, 10), 2.0)
                 rates = [req / t for t in times]
-                rows.append({"op": "step", "dim": dim, "req": name, "config": "zmq",
-                             "median": statistics.median(rates), "min": min(rates),
-                             "max": max(rates), "n": len(rates)})
+                rows.append(
+                    {
+                        "op": "step",
+                        "dim": dim,
+                        "req": name,
+                        "config": "zmq",
+                        "median": statistics.median(rates),
+                        "min": min(rates),
+                        "max": max(rates),
+                        "n": len(rates),
+                    }
+                )
     return rows
 
 
@@ -222,18 +260,39 @@ def memory_rows(touched=(10_000, 100_000, 1_000_000), dim: int = 64) -> list[dic
             t0 = time.perf_counter()
             for chunk in np.array_split(ids, max(1, ids.size // 4096)):
                 table.apply(chunk, np.ones((chunk.size, dim), np.float32), sgd, 1, 0.1)
-            rows.append({"config": "memory", "optimizer": "sgd momentum" if sgd else "none",
-                         "touched": int(len(table)), "dim": dim, "bytes": table.nbytes,
-                         "bytes_per_row": table.nbytes / len(table),
-                         "insert_rows_per_s": len(table) / (time.perf_counter() - t0)})
+            rows.append(
+                {
+                    "config": "memory",
+                    "optimizer": "sgd momentum" if sgd else "none",
+                    "touched": int(len(table)),
+                    "dim": dim,
+                    "bytes": table.nbytes,
+                    "bytes_per_row": table.nbytes / len(table),
+                    "insert_rows_per_s": len(table) / (time.perf_counter() - t0),
+                }
+            )
     return rows
 
 
 def run_mxnet(args) -> list[dict]:
-    cmd = [args.mxnet, str(ANCHOR), "-W", str(args.workers), "-S", str(args.servers),
-           "--sizes", "", "--row-sparse", args.anchor, "--row-sparse-steps",
-           str(args.anchor_steps), "--repeats", str(args.anchor_repeats),
-           "--timeout", str(args.timeout)]
+    cmd = [
+        args.mxnet,
+        str(ANCHOR),
+        "-W",
+        str(args.workers),
+        "-S",
+        str(args.servers),
+        "--sizes",
+        "",
+        "--row-sparse",
+        args.anchor,
+        "--row-sparse-steps",
+        str(args.anchor_steps),
+        "--repeats",
+        str(args.anchor_repeats),
+        "--timeout",
+        str(args.timeout),
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, _ = job.communicate(timeout=args.timeout + 60)
@@ -245,8 +304,15 @@ def run_mxnet(args) -> list[dict]:
         raise SystemExit(f"the MXNet job failed ({job.returncode}): {' '.join(cmd)}\n{out}")
     for rec in (json.loads(x) for x in out.splitlines() if x.startswith("{")):
         if rec.get("bench") == "mxnet_ps" and rec.get("case") == "row_sparse":
-            return [{"op": "anchor", "config": "mxnet", "size": args.anchor,
-                     **{k: rec[k] for k in ("median", "min", "max")}, "runs": rec["runs"]}]
+            return [
+                {
+                    "op": "anchor",
+                    "config": "mxnet",
+                    "size": args.anchor,
+                    **{k: rec[k] for k in ("median", "min", "max")},
+                    "runs": rec["runs"],
+                }
+            ]
     raise SystemExit(f"the MXNet job printed no row_sparse result:\n{out}")
 
 
@@ -282,11 +348,16 @@ def main(argv=None) -> int:
 
 
 def table(results: list[dict], args) -> str:
-    lines = [f"row-sparse, W={args.workers} S={args.servers} dist_sync (rows/s per worker; "
-             "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq: one round "
-             "trip of those bytes)", ""]
-    lines.append(f"{'dim':>4} {'rows/req':>8} {'push':>11} {'pull':>11} {'push+pull':>11} "
-                 f"{'pushpull':>11} {'B/s':>9} {'zmq B/s':>9} {'vs zmq':>7}")
+    lines = [
+        f"row-sparse, W={args.workers} S={args.servers} dist_sync (rows/s per worker; "
+        "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq: one round "
+        "trip of those bytes)",
+        "",
+    ]
+    lines.append(
+        f"{'dim':>4} {'rows/req':>8} {'push':>11} {'pull':>11} {'push+pull':>11} "
+        f"{'pushpull':>11} {'B/s':>9} {'zmq B/s':>9} {'vs zmq':>7}"
+    )
     ours = {(r["op"], r["dim"], r["req"]): r for r in results if r.get("config") == "kvstore"}
     bound = {(r["dim"], r["req"]): r for r in results if r.get("config") == "zmq"}
     for (op, dim, req), r in ours.items():
@@ -307,16 +378,20 @@ def table(results: list[dict], args) -> str:
         anchor = [r for r in results if r.get("op") == op and r.get("config") == "kvstore"]
         if mx and anchor:
             call = "push + row_sparse_pull" if op == "anchor" else "pushpull"
-            lines += [f"anchor {args.anchor} ({call}): kvstore {anchor[0]['median']:,.0f} "
-                      f"rows/s, MXNet (push + row_sparse_pull) {mx[0]['median']:,.0f} rows/s: "
-                      f"{anchor[0]['median'] / mx[0]['median']:.2f}x"]
+            lines += [
+                f"anchor {args.anchor} ({call}): kvstore {anchor[0]['median']:,.0f} "
+                f"rows/s, MXNet (push + row_sparse_pull) {mx[0]['median']:,.0f} rows/s: "
+                f"{anchor[0]['median'] / mx[0]['median']:.2f}x"
+            ]
     mem = [r for r in results if r.get("config") == "memory"]
     if mem:
         lines += ["", "memory of one row store (10^9-row table, dim 64):"]
         for r in mem:
-            lines.append(f"  {r['optimizer']:>12}: {r['touched']:>9,} rows  "
-                         f"{r['bytes'] / 2**20:8.1f} MiB  ({r['bytes_per_row']:.0f} B/row; "
-                         f"created at {r['insert_rows_per_s']:,.0f} rows/s)")
+            lines.append(
+                f"  {r['optimizer']:>12}: {r['touched']:>9,} rows  "
+                f"{r['bytes'] / 2**20:8.1f} MiB  ({r['bytes_per_row']:.0f} B/row; "
+                f"created at {r['insert_rows_per_s']:,.0f} rows/s)"
+            )
     return "\n".join(lines)
 
 

@@ -586,7 +586,6 @@ class Server:
         else:
             raise ValueError(f"unknown command {name!r}")
 
-
     # ---- row-sparse keys (kvstore.sparse): a RowTable per (key, part = this server); the
     # rounds are Rounds' own, fed an empty array per push, while SparseKeys holds the rows
     def _row_keys(self, msg: Message) -> list[tuple]:
@@ -605,7 +604,11 @@ class Server:
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
         if ids.size:
-            if ids[0] < 0 or ids[-1] >= table.rows or (ids.size > 1 and not (ids[1:] > ids[:-1]).all()):
+            if (
+                ids[0] < 0
+                or ids[-1] >= table.rows
+                or (ids.size > 1 and not (ids[1:] > ids[:-1]).all())
+            ):
                 raise ValueError(
                     f"key {_show(key)}: row ids must be sorted, unique and in [0, {table.rows})"
                 )
@@ -702,7 +705,9 @@ class Server:
         keys = [tuple(k) for k in msg.body["keys"]]
         body: dict = {"keys": msg.body["keys"]}
         if msg.kind == "sparse_pull":
-            arrays = [self.rows.tables[k].read(ids) for k, ids in zip(keys, msg.arrays)]
+            arrays = [
+                self.rows.tables[k].read(ids) for k, ids in zip(keys, msg.arrays, strict=True)
+            ]
         elif msg.kind == "sparse_push":  # a pushpull: the rows pushed, after the round
             arrays = [self.rows.tables[k].read(msg.arrays[2 * i]) for i, k in enumerate(keys)]
         else:  # sparse_rows: the rows changed after a step, and the step now

@@ -771,4 +771,6 @@ class RowCollector:
         for item, unique, _ in self._wanted:
             block = self._blocks[item.key]
             for out, ids in zip(item.outs, item.ids, strict=True):
-                write_rows(out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)])
+                write_rows(
+                    out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)]
+                )

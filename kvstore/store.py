@@ -414,7 +414,9 @@ class KVStore:
         values = [value] if single else value
         outs = [out] if single else out
         for given, name in ((values, "values"), (outs, "out")):
-            if given is not None and (not isinstance(given, (list, tuple)) or len(given) != len(keys)):
+            if given is not None and (
+                not isinstance(given, (list, tuple)) or len(given) != len(keys)
+            ):
                 raise ValueError(f"{what}: {len(keys)} keys but not one {name} entry per key")
         rows, dense = [], []
         for i, k in enumerate(keys):
@@ -505,7 +507,8 @@ class KVStore:
         other row is created when first pushed, from ``value.init`` (default zeros).
 
         >>> from kvstore.sparse import RowSparse, uniform
-        >>> kv.init('emb', RowSparse.empty((10**9, 64), init=uniform(-0.1, 0.1, seed=1)))  # doctest: +SKIP
+        >>> init = uniform(-0.1, 0.1, seed=1)
+        >>> kv.init('emb', RowSparse.empty((10**9, 64), init=init))  # doctest: +SKIP
         """
         single = not isinstance(key, (list, tuple))
         keys = [_norm_key(k) for k in ([key] if single else key)]
@@ -525,9 +528,7 @@ class KVStore:
             if not isinstance(v, RowSparse):
                 raise TypeError(f"init(key={k!r}): expected a kvstore.sparse.RowSparse")
             if v.dtype.kind not in "fc":
-                raise TypeError(
-                    f"init(key={k!r}): a row-sparse key holds floats, got {v.dtype}"
-                )
+                raise TypeError(f"init(key={k!r}): a row-sparse key holds floats, got {v.dtype}")
             canonical = v.canonical()
             items.append(RowsItem(k, RowSparse(canonical.indices, canonical.data, v.shape, v.init)))
         self._init_rows(items)

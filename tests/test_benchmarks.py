@@ -150,9 +150,23 @@ def test_simulated_network_benchmark_smoke():
 
 def test_sparse_benchmark_smoke():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sparse.py"), "--dims", "16",
-         "--reqs", "1K", "--reps", "2", "--rows", "100000", "--no-memory"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "sparse.py"),
+            "--dims",
+            "16",
+            "--reqs",
+            "1K",
+            "--reps",
+            "2",
+            "--rows",
+            "100000",
+            "--no-memory",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -100,13 +100,16 @@ def test_local_store_matches_dense_model(ops, momentum, init):
             changed[touched] = step
         elif op == "pull":
             outs = [np.full(shape, 7.0, np.float32), RowSparse.empty(shape, np.float32)]
-            kv.row_sparse_pull("e", out=outs, row_ids=[np.array(arg[0], np.int64),
-                                                       np.array(arg[-1], np.int64)])
+            kv.row_sparse_pull(
+                "e", out=outs, row_ids=[np.array(arg[0], np.int64), np.array(arg[-1], np.int64)]
+            )
             want = np.zeros(shape)
             want[arg[0]] = dense[arg[0]]
             np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
             assert outs[1].indices.tolist() == sorted(set(arg[-1]))
-            np.testing.assert_allclose(outs[1].data, dense[sorted(set(arg[-1]))], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                outs[1].data, dense[sorted(set(arg[-1]))], rtol=1e-5, atol=1e-5
+            )
         else:
             rows, now = kv.save_rows("e", since=arg)
             assert now == step

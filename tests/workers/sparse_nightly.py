@@ -115,8 +115,10 @@ check("huge rows", outs[0].data, want)
 check("huge second out", outs[1].data, want[np.searchsorted(np.unique(ask), np.unique(ask[:2]))])
 
 # a list of keys, one with no rows, beside a dense key; then pushpull writes rows back
-kv.push(["11", "dense", "huge"], [RowSparse.empty(shape, dtype), np.ones(shape, dtype),
-                                  RowSparse.empty(huge, dtype)])
+kv.push(
+    ["11", "dense", "huge"],
+    [RowSparse.empty(shape, dtype), np.ones(shape, dtype), RowSparse.empty(huge, dtype)],
+)
 back = grad([5], huge, 0.0)
 kv.pushpull("huge", back)
 check("pushpull ids", back.indices, [5])
