@@ -520,16 +520,7 @@ class RowTable:
     def _states_for(self, optimizer) -> None:
         if self.state_of is optimizer:
             return
-        if getattr(optimizer, "multi_precision", False) and self.dtype == np.float16:
-            raise ValueError(
-                "multi_precision is not supported on row-sparse keys: store the table in "
-                "float32, or set multi_precision=False"
-            )
-        if optimizer.name == "lamb":
-            raise ValueError(
-                "LAMB's update takes norms over the whole key; it has no lazy row-sparse "
-                "form: use SGD, Adam, AdaGrad (or another row-wise optimizer) for this key"
-            )
+        check_optimizer(optimizer, self.dtype)
         capacity = self.block.shape[0]
         fresh = optimizer.create_state(self.block[: self.count])
         self.states = tuple(
@@ -538,6 +529,21 @@ class RowTable:
         for stored, value in zip(self.states, fresh, strict=True):
             stored[: self.count] = value
         self.state_of = optimizer
+
+
+def check_optimizer(optimizer, dtype) -> None:
+    """A ``ValueError`` saying what to do when ``optimizer`` cannot update row-sparse rows of
+    ``dtype``: LAMB (norms over the whole key), fp16 with ``multi_precision``."""
+    if getattr(optimizer, "multi_precision", False) and np.dtype(dtype) == np.float16:
+        raise ValueError(
+            "multi_precision is not supported on row-sparse keys: store the table in "
+            "float32, or set multi_precision=False"
+        )
+    if optimizer.name == "lamb":
+        raise ValueError(
+            "LAMB's update takes norms over the whole key; it has no lazy row-sparse "
+            "form: use SGD, Adam, AdaGrad (or another row-wise optimizer) for this key"
+        )
 
 
 # ---------------------------------------------------------------- rounds of a server's keys

@@ -16,7 +16,7 @@ import numpy as np
 from . import optimizer as opt
 from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
 from .compression import Compression
-from .sparse import RowSparse, check_ids, sum_rows, write_rows
+from .sparse import RowSparse, check_ids, check_optimizer, sum_rows, write_rows
 
 
 @dataclass
@@ -476,6 +476,12 @@ class KVStore:
                 "keys (their pushes carry only the rows touched); push them from a store "
                 "without set_gradient_compression, or make the key dense"
             )
+        optimizer = getattr(self, "_optimizer", None)
+        if optimizer is not None:  # refused here, before anything is sent
+            try:
+                check_optimizer(optimizer, meta.dtype)
+            except ValueError as exc:
+                raise ValueError(f"{what}(key={key!r}): {exc}") from None
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values:
             raise ValueError(f"{what}(key={key!r}): empty list of values")

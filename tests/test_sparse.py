@@ -206,6 +206,11 @@ def test_errors_say_what_is_wrong():
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     with pytest.raises(ValueError, match="gradient compression does not apply to row-sparse"):
         kv.push("emb", RowSparse([1], np.ones((1, 2), np.float32), (10, 2)))
+    kv2 = kvstore.create("local")
+    kv2.init("emb", RowSparse.empty((10, 2)))
+    kv2.set_optimizer(opt.LAMB())
+    with pytest.raises(ValueError, match=r"push\(key='emb'\): LAMB's update takes norms"):
+        kv2.push("emb", RowSparse([1], np.ones((1, 2), np.float32), (10, 2)))
     with pytest.raises(ValueError, match="not pulled whole"):
         kv.init("big", RowSparse.empty((10**9, 4)))
         kv.pull("big", out=np.empty((1, 4), np.float32))
