@@ -49,6 +49,8 @@ op_st = st.one_of(
     st.tuples(st.just("push"), push_st, st.integers(0, 2**31)),
     st.tuples(st.just("pull"), st.lists(ids_st, min_size=1, max_size=2), st.just(0)),
     st.tuples(st.just("save"), st.integers(0, 6), st.just(0)),
+    st.tuples(st.just("pushpull"), st.lists(ids_st, min_size=1, max_size=1), st.integers(0, 99)),
+    st.tuples(st.just("load"), ids_st, st.integers(0, 99)),
 )
 
 
@@ -61,8 +63,8 @@ op_st = st.one_of(
 def test_local_store_matches_dense_model(ops, momentum, init):
     """Every operation of a row-sparse key of the local store against a dense NumPy table:
     pushes (duplicates and devices summed; without an optimizer the touched rows become the
-    sum; with SGD only the touched rows move), pulls of any ids into several outputs, and
-    save_rows (the rows changed after a step)."""
+    sum; with SGD only the touched rows move), pushpull (the pushed rows come back), pulls of
+    any ids into several outputs, save_rows (the rows changed after a step) and load_rows."""
     import kvstore
 
     kv = kvstore.create("local")
@@ -76,18 +78,29 @@ def test_local_store_matches_dense_model(ops, momentum, init):
         kv.set_optimizer(opt.SGD(learning_rate=lr, momentum=momentum, wd=wd))
     step = 0
     for op, arg, seed in ops:
-        if op == "push":
+        if op == "load":  # rows set as given, no optimizer, at the current step
+            ids = np.unique(np.array(arg, np.int64))
+            rows = np.random.default_rng(seed).standard_normal((ids.size, DIM))
+            kv.load_rows("e", RowSparse(ids, rows.astype(np.float32), shape))
+            dense[ids] = rows.astype(np.float32)
+            changed[ids] = step
+            continue
+        if op in ("push", "pushpull"):
             rng = np.random.default_rng(seed)
             devices = [
                 RowSparse(ids, rng.standard_normal((len(ids), DIM)).astype(np.float32), shape)
                 for ids in arg
             ]
-            kv.push("e", devices)
-            step += 1
             total = np.zeros_like(dense)
             for d in devices:
                 np.add.at(total, d.indices, d.data.astype(np.float64))
             touched = np.unique(np.concatenate([d.indices for d in devices]))
+            if op == "push":
+                kv.push("e", devices)
+            else:
+                back = devices[0]
+                kv.pushpull("e", back)  # the pushed rows come back, updated
+            step += 1
             if momentum is None:
                 dense[touched] = total[touched]
             else:
@@ -98,6 +111,9 @@ def test_local_store_matches_dense_model(ops, momentum, init):
                 else:
                     dense[touched] -= lr * g
             changed[touched] = step
+            if op == "pushpull":
+                assert back.indices.tolist() == touched.tolist()
+                np.testing.assert_allclose(back.data, dense[touched], rtol=1e-5, atol=1e-5)
         elif op == "pull":
             outs = [np.full(shape, 7.0, np.float32), RowSparse.empty(shape, np.float32)]
             kv.row_sparse_pull(
