@@ -34,7 +34,7 @@ from .compression import Compression, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
-from .memory import tune_allocator
+from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import row_server
@@ -691,11 +691,13 @@ class Server:
         ids, rows = self.rows.take(key, action.accumulate)
         if self.updater is None:
             table.apply(ids, rows, accumulate=action.accumulate)
-            return
-        up = self.updater
-        t = up.counts[key] = up.counts.get(key, 0) + 1
-        up.num_update = max(up.num_update, t)
-        table.apply(ids, rows, up.optimizer, t, up.optimizer.learning_rate(up.num_update))
+        else:
+            up = self.updater
+            t = up.counts[key] = up.counts.get(key, 0) + 1
+            up.num_update = max(up.num_update, t)
+            table.apply(ids, rows, up.optimizer, t, up.optimizer.learning_rate(up.num_update))
+        if self.rows.grown(table):
+            trim()  # the superseded index arrays: back to the kernel, not kept resident
 
     def _reply_rows(self, req: Request) -> None:
         msg = req.msg

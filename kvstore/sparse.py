@@ -347,6 +347,7 @@ class RowTable:
         self.evict_after = self.init.get("evict_after", 0)
         self.cand_ids = np.empty(0, np.int64)  # rows pushed, not yet admitted (sorted)
         self.cand_counts = np.empty(0, np.int32)  # rounds that pushed each
+        self.trimmed_bytes = 0  # nbytes when the server last trimmed its heap
 
     def __len__(self) -> int:
         return self.count
@@ -567,6 +568,15 @@ class SparseKeys:
     def add_key(self, where, rows: int, dim: int, dtype, init) -> RowTable:
         table = self.tables[where] = RowTable(dim, dtype, init, rows)
         return table
+
+    def grown(self, table: RowTable) -> bool:
+        """Whether ``table`` grew by an eighth (and 8 MiB) since this last said so: time to
+        give the heap's free pages back (``kvstore.memory.trim``)."""
+        total = table.nbytes
+        if total < table.trimmed_bytes * 9 // 8 + (8 << 20):
+            return False
+        table.trimmed_bytes = total
+        return True
 
     def placeholder(self, dtype) -> np.ndarray:
         found = self.placeholders.get(dtype)
