@@ -688,14 +688,14 @@ class Server:
         """A round of a row-sparse key: sum its pushes by rank, update the touched rows."""
         key = action.key
         table = self.rows.tables[key]
-        ids, rows = self.rows.take(key, action.accumulate)
         if self.updater is None:
-            table.apply(ids, rows, accumulate=action.accumulate)
+            self.rows.apply(key, action.accumulate)
         else:
             up = self.updater
             t = up.counts[key] = up.counts.get(key, 0) + 1
             up.num_update = max(up.num_update, t)
-            table.apply(ids, rows, up.optimizer, t, up.optimizer.learning_rate(up.num_update))
+            lr = up.optimizer.learning_rate(up.num_update)
+            self.rows.apply(key, action.accumulate, up.optimizer, t, lr)
         if self.rows.grown(table):
             trim()  # the superseded index arrays: back to the kernel, not kept resident
 
@@ -711,7 +711,9 @@ class Server:
                 self.rows.tables[k].read(ids) for k, ids in zip(keys, msg.arrays, strict=True)
             ]
         elif msg.kind == "sparse_push":  # a pushpull: the rows pushed, after the round
-            arrays = [self.rows.tables[k].read(msg.arrays[2 * i]) for i, k in enumerate(keys)]
+            arrays = [
+                self.rows.tables[k].pushed_rows(msg.arrays[2 * i]) for i, k in enumerate(keys)
+            ]
         else:  # sparse_rows: the rows changed after a step, and the step now
             table = self.rows.tables[keys[0]]
             arrays = list(table.changed_since(msg.body["since"]))

@@ -348,6 +348,10 @@ class RowTable:
         self.cand_ids = np.empty(0, np.int64)  # rows pushed, not yet admitted (sorted)
         self.cand_counts = np.empty(0, np.int32)  # rounds that pushed each
         self.trimmed_bytes = 0  # nbytes when the server last trimmed its heap
+        # the last round's pushes: id(ids) -> (ids, their slots), so the replies of a
+        # pushpull gather their rows without a second lookup (the ids object is kept, so its
+        # id cannot be another array's)
+        self.recent: dict = {}
 
     def __len__(self) -> int:
         return self.count
@@ -430,6 +434,13 @@ class RowTable:
         out[missing] = init_rows(self.init, ids[missing], self.dim, self.dtype)
         return out
 
+    def pushed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """:meth:`read` of the ids of a push of the round just applied, without a lookup."""
+        hit = self.recent.get(id(ids))
+        if hit is not None and hit[0] is ids:
+            return self.block[hit[1]]
+        return self.read(ids)
+
     def changed_since(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted."""
         keep = self.changed[self.slots] > step
@@ -442,24 +453,46 @@ class RowTable:
         self.block[slots] = rows
         self.changed[slots] = self.step
 
+    def assign_sums(self, pushes: list) -> None:
+        """A round without an optimizer from its pushes ``[(ids, rows)]`` (each sorted and
+        unique, in rank order): the touched rows become their sum."""
+        self._next_step()
+        slots = [self.slots_of(ids) for ids, _ in pushes]
+        if len(pushes) == 1:
+            self.block[slots[0]] = pushes[0][1]
+        else:
+            for where in slots:
+                self.block[where] = 0
+            for where, (_, rows) in zip(slots, pushes, strict=True):
+                self.block[where] += rows
+        for where in slots:
+            self.changed[where] = self.step
+        self.recent = {id(ids): (ids, where) for (ids, _), where in zip(pushes, slots, strict=True)}
+
+    def _next_step(self) -> None:
+        self.recent = {}
+        self.step += 1
+        if self.evict_after and self.step % max(1, self.evict_after // 2) == 0:
+            self._evict(self.step - 1 - self.evict_after)  # first: a row evicted now re-enters
+
     def apply(self, ids, rows, optimizer=None, t: int = 1, lr: float = 0.0, accumulate=False):
         """One round's sum (sorted unique ``ids``, ``rows``): without ``optimizer`` the rows
         become the sum (``accumulate``: are added to, an async push); with one, its update at
         count ``t`` and rate ``lr``: lazily on the touched rows, or on every stored row when
-        the optimizer's ``lazy_update`` is False (as MXNet's ``lazy_update=False``)."""
-        self.step += 1
-        if self.evict_after and self.step % max(1, self.evict_after // 2) == 0:
-            self._evict(self.step - 1 - self.evict_after)  # first: a row evicted now re-enters
+        the optimizer's ``lazy_update`` is False (as MXNet's ``lazy_update=False``). Returns
+        the slots of ``ids`` (None when admission dropped some)."""
+        self._next_step()
         if self.admit_after > 1:
             ids, rows = self._admit(ids, rows)
         slots = self.slots_of(ids)
+        done = slots if self.admit_after == 1 else None
         if optimizer is None:
             if accumulate:
                 self.block[slots] += rows
             else:
                 self.block[slots] = rows
             self.changed[slots] = self.step
-            return
+            return done
         self._states_for(optimizer)
         if getattr(optimizer, "lazy_update", True):
             weight = self.block[slots]
@@ -469,12 +502,13 @@ class RowTable:
             for stored, state in zip(self.states, states, strict=True):
                 stored[slots] = state
             self.changed[slots] = self.step
-            return
+            return done
         n = self.count
         grad = np.zeros((n, self.dim), self.dtype)
         grad[slots] = rows
         optimizer.update(self.block[:n], grad, tuple(s[:n] for s in self.states), lr, t)
         self.changed[:n] = self.step
+        return done
 
     def _admit(self, ids: np.ndarray, rows: np.ndarray):
         """The ids (and rows) of this round that are stored or admitted now; the others
@@ -590,16 +624,28 @@ class SparseKeys:
         else:
             self.arrivals[where].append((ids, rows))
 
-    def take(self, where, accumulate: bool) -> tuple[np.ndarray, np.ndarray]:
-        """The rows of the round now applied (the next async push with ``accumulate``)."""
+    def apply(self, where, accumulate: bool, optimizer=None, t: int = 1, lr: float = 0.0):
+        """Apply the round now complete (with ``accumulate``: the next async push): the
+        pushes summed in rank order, then :meth:`RowTable.apply`. Without an optimizer (and
+        admission) each push is added straight into the table's rows, no sum array between:
+        ``0 + a + b``, the same bits as the sum."""
         table = self.tables[where]
         if accumulate:
-            return self.arrivals[where].pop(0)
+            ids, rows = self.arrivals[where].pop(0)
+            table.apply(ids, rows, optimizer, t, lr, accumulate=True)
+            return
         pushes = self.pending[where].pop(table.step, [])
         pushes.sort(key=lambda p: p[0])
+        if optimizer is None and table.admit_after == 1:
+            table.assign_sums([(i, r) for _, i, r in pushes])
+            return
         shape = (table.rows, table.dim)
         total = sum_rows([RowSparse(i, r, shape) for _, i, r in pushes], shape, table.dtype)
-        return total.indices, total.data
+        slots = table.apply(total.indices, total.data, optimizer, t, lr)
+        if slots is not None:
+            table.recent = {
+                id(i): (i, slots[np.searchsorted(total.indices, i)]) for _, i, _ in pushes
+            }
 
 
 def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:

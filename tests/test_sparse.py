@@ -277,3 +277,37 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict):
     np.testing.assert_array_equal(table.read(everything), want)
     assert len(table) == len(stored)
     assert sorted(table.ids.tolist()) == sorted(stored)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rounds=st.lists(st.lists(ids_st, min_size=1, max_size=3), max_size=6),
+    sgd=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
+    """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
+    without an optimizer, summed first with one) leaves the same bits as summing the pushes
+    in rank order and applying the sum; the rows a pushpull answers are its pushed rows."""
+    rng = np.random.default_rng(seed)
+    keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
+    keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
+    optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
+    shape = (ROWS, DIM)
+    for n, pushes in enumerate(rounds):
+        values = []
+        for rank, ids in reversed(list(enumerate(pushes))):  # arrival order: any
+            ids = np.unique(np.array(ids, np.int64))
+            rows = rng.standard_normal((ids.size, DIM)).astype(np.float32)
+            keys.add("k", n, rank, ids, rows, sync=True)
+            values.append((rank, RowSparse(ids, rows, shape)))
+        keys.apply("k", False, optimizer, n + 1, 0.1)
+        total = sparse.sum_rows(
+            [v for _, v in sorted(values, key=lambda x: x[0])], shape, np.float32
+        )
+        twin.apply(total.indices, total.data, optimizer, n + 1, 0.1)
+        table = keys.tables["k"]
+        for _, v in values:
+            np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
+        np.testing.assert_array_equal(table.read(np.arange(ROWS)), twin.read(np.arange(ROWS)))
+        assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
