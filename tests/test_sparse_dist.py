@@ -25,3 +25,10 @@ def test_server_refuses_bad_row_requests_and_serves_on(cluster):
     outs = c.run_workers("sparse_refusals.py", timeout=60)
     assert "OK refusals" in outs[0], outs
     assert "Traceback" not in c.output("server0")
+
+
+def test_torch_embedding_gradients_travel_as_rows(cluster):
+    pytest.importorskip("torch")
+    c = cluster(2, 2)
+    outs = c.run_workers("torch_rows.py", timeout=120)
+    assert all("OK torch rows" in o for o in outs), outs
