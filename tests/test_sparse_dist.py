@@ -32,3 +32,9 @@ def test_torch_embedding_gradients_travel_as_rows(cluster):
     c = cluster(2, 2)
     outs = c.run_workers("torch_rows.py", timeout=120)
     assert all("OK torch rows" in o for o in outs), outs
+
+
+def test_sparse_join_uneven_inputs(cluster):
+    c = cluster(2, 3)
+    outs = c.run_workers("sparse_join.py", timeout=120)
+    assert all("OK join rows" in o for o in outs), outs
