@@ -38,7 +38,7 @@ from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import row_server
-from .sparse import SparseKeys, check_init
+from .sparse import SparseKeys, check_init, dump_states, load_states
 
 log = logging.getLogger("kvstore.server")
 
@@ -576,12 +576,12 @@ class Server:
         if name == "get_states":
             if self.updater is None:
                 raise ValueError("no optimizer is set; call set_optimizer first")
-            blob = np.frombuffer(self.updater.dumps(), np.uint8)
+            blob = np.frombuffer(dump_states(self.updater, self.rows.tables), np.uint8)
             self._send(identity, Message("ack", msg.id, self.name, {}, [blob]))
         elif name == "set_states":
             if self.updater is None or len(msg.arrays) != 1:
                 raise ValueError("set_states needs an optimizer and one state blob")
-            self.updater.loads(msg.arrays[0].tobytes())
+            load_states(self.updater, self.rows.tables, msg.arrays[0].tobytes())
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")

@@ -836,3 +836,65 @@ class RowCollector:
                 write_rows(
                     out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)]
                 )
+
+
+# ---------------------------------------------------------------- optimizer states
+
+
+def dump_states(updater, tables: dict) -> bytes:
+    """``updater.dumps()`` (the dense keys' states) with the row-sparse tables' optimizer
+    state added: per key its update count, its row ids and each state's rows."""
+    import msgpack
+
+    from .optimizer import _wire_key, pack_array
+
+    data = msgpack.unpackb(updater.dumps(), strict_map_key=False)
+    rows = []
+    for key, table in tables.items():
+        if table.state_of is None or not table.states:
+            continue
+        slots = table.slots
+        states = [pack_array(s[slots]) for s in table.states]
+        rows.append([_wire_key(key), updater.counts.get(key, 0), pack_array(table.ids), states])
+    data["rows"] = rows
+    return msgpack.packb(data)
+
+
+def load_states(updater, tables: dict, blob: bytes, dense: bool = True) -> None:
+    """Load :func:`dump_states`' output: the dense states into ``updater`` (unless ``dense``
+    is False: the caller did), each row-sparse key's state into its table (rows not stored
+    yet are created from the initializer; load their values with ``load_rows``)."""
+    import msgpack
+
+    from .optimizer import _from_wire_key, unpack_array
+
+    if dense:
+        updater.loads(blob)
+    try:
+        rows = msgpack.unpackb(blob, strict_map_key=False).get("rows") or []
+        entries = [
+            (_from_wire_key(k), int(c), unpack_array(i), [unpack_array(s) for s in states])
+            for k, c, i, states in rows
+        ]
+    except Exception as exc:
+        raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None
+    for key, count, ids, states in entries:
+        table = tables.get(key)
+        if table is None:
+            raise ValueError(
+                f"the optimizer states hold row-sparse key {key!r}, which is not initialised "
+                "here: init it (with a RowSparse) before load_optimizer_states"
+            )
+        table._states_for(updater.optimizer)
+        if len(states) != len(table.states) or any(
+            s.shape != (ids.size, table.dim) for s in states
+        ):
+            raise ValueError(
+                f"the optimizer states of row-sparse key {key!r} do not fit this optimizer "
+                f"({len(states)} states of {ids.size} rows; {updater.optimizer.name} keeps "
+                f"{len(table.states)} of dim {table.dim}): set the optimizer they were saved with"
+            )
+        slots = table.slots_of(ids.astype(np.int64))
+        for stored, value in zip(table.states, states, strict=True):
+            stored[slots] = value
+        updater.counts[key] = count

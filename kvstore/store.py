@@ -780,13 +780,21 @@ class LocalStore(KVStore):
         self._updater = updater
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        from .sparse import dump_states
+
+        updater = self._require_updater("save_optimizer_states")
         with open(fname, "wb") as f:
-            f.write(self._require_updater("save_optimizer_states").dumps())
+            f.write(dump_states(updater, getattr(self, "_tables", {})))
 
     def load_optimizer_states(self, fname: str) -> None:
         updater = self._require_updater("load_optimizer_states")
         with open(fname, "rb") as f:
-            updater.loads(f.read(), like=self._store)
+            blob = f.read()
+        updater.loads(blob, like=self._store)
+        if getattr(self, "_tables", None):  # row-sparse keys' states (kvstore.sparse)
+            from .sparse import load_states
+
+            load_states(updater, self._tables, blob, dense=False)
 
     def _require_updater(self, what: str) -> opt.Updater:
         if not isinstance(self._updater, opt.Updater):

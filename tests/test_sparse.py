@@ -311,3 +311,39 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
             np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
         np.testing.assert_array_equal(table.read(np.arange(ROWS)), twin.read(np.arange(ROWS)))
         assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "adagrad"])
+def test_optimizer_states_of_rows_save_and_load(tmp_path, name):
+    """save_optimizer_states holds a row-sparse key's state: a store restored from
+    save_rows + save_optimizer_states continues exactly as the original."""
+    import kvstore
+
+    shape = (10**6, 3)
+    params = {"learning_rate": 0.1, "momentum": 0.9} if name == "sgd" else {}
+    rng = np.random.default_rng(1)
+    grads = [
+        RowSparse(rng.integers(0, 50, 8), rng.standard_normal((8, 3)).astype(np.float32), shape)
+        for _ in range(4)
+    ]
+    kv = kvstore.create("local")
+    kv.init("e", RowSparse.empty(shape, np.float32, init=sparse.uniform(-1, 1, 3)))
+    kv.set_optimizer(opt.create(name, **params))
+    for g in grads[:2]:
+        kv.push("e", g)
+    rows, _ = kv.save_rows("e")
+    kv.save_optimizer_states(str(tmp_path / "states"))
+    for g in grads[2:]:
+        kv.push("e", g)
+    restored = kvstore.create("local")
+    restored.init("e", RowSparse.empty(shape, np.float32, init=sparse.uniform(-1, 1, 3)))
+    restored.set_optimizer(opt.create(name, **params))
+    restored.load_rows("e", rows)
+    restored.load_optimizer_states(str(tmp_path / "states"))
+    for g in grads[2:]:
+        restored.push("e", g)
+    ids = np.arange(50)
+    a, b = RowSparse.empty(shape, np.float32), RowSparse.empty(shape, np.float32)
+    kv.row_sparse_pull("e", out=a, row_ids=ids)
+    restored.row_sparse_pull("e", out=b, row_ids=ids)
+    np.testing.assert_array_equal(a.data, b.data)
