@@ -13,11 +13,12 @@ Installed as the distribution ``kvstore-ps`` (``pip install kvstore-ps``); impor
 
 import logging as _logging
 
-from . import optimizer
+from . import optimizer, sparse
 from .errors import KVStoreError
+from .sparse import RowSparse
 from .store import KVStore, LocalStore
 
-__all__ = ["KVStore", "KVStoreError", "create", "optimizer"]
+__all__ = ["KVStore", "KVStoreError", "RowSparse", "create", "optimizer", "sparse"]
 __version__ = "0.1.0"
 
 # A library leaves output to the application (logging's own convention): its records reach

@@ -27,3 +27,14 @@ def tune_allocator() -> bool:
     ok &= mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     ok &= mallopt(_M_TOP_PAD, 64 << 20)
     return bool(ok)
+
+
+def trim() -> bool:
+    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim``): a server whose
+    row-sparse tables grew leaves the superseded index arrays free in the heap, which the
+    settings above would otherwise keep resident. A few ms; returns whether it ran."""
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(ctypes.CDLL(name or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -107,6 +107,7 @@ class Optimizer:
         clip_gradient: float | None = None,
         lr_scheduler=None,
         multi_precision: bool = False,
+        lazy_update: bool = True,
     ):
         if learning_rate < 0 or wd < 0:
             raise ValueError(f"{type(self).__name__}: learning_rate and wd must be >= 0")
@@ -120,6 +121,9 @@ class Optimizer:
             lr_scheduler.base_lr = self.lr  # as MXNet: the optimizer's rate is the schedule's base
         self.lr_scheduler = lr_scheduler
         self.multi_precision = bool(multi_precision)
+        # row-sparse keys (kvstore.sparse): update only the rows pushed in a round (MXNet's
+        # default), or every stored row with False
+        self.lazy_update = bool(lazy_update)
 
     def learning_rate(self, num_update: int) -> float:
         return self.lr if self.lr_scheduler is None else float(self.lr_scheduler(num_update))
@@ -153,6 +157,8 @@ class Optimizer:
         params.update({k: getattr(self, k) for k in self._extra})
         if self.multi_precision:  # only when set: specs of earlier versions stay the same
             params["multi_precision"] = True
+        if not self.lazy_update:
+            params["lazy_update"] = False
         if self.lr_scheduler is not None:
             if not hasattr(self.lr_scheduler, "spec"):
                 raise TypeError(

@@ -78,6 +78,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "command": {"name": (str,)},
     "hello": {"host": (str,)},
     "auth": {"proof": (str,)},  # the proof of a hello's challenge (kvstore.auth)
+    # row-sparse keys (kvstore.sparse): part = the server; arrays are (ids, rows) per key
+    "sparse_init": {"keys": (list,), "meta": (list,)},  # meta: [rows, dim, dtype, init]
+    "sparse_push": {"keys": (list,)},
+    "sparse_pull": {"keys": (list,)},  # arrays: the row ids wanted, per key
+    "sparse_rows": {"keys": (list,), "since": (int,)},  # rows changed after a step
+    "sparse_load": {"keys": (list,)},
     # both
     "ack": {},
     "error": {"message": (str,)},
@@ -123,7 +129,8 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
                 small.append(bytes(pad))
             packed_at += pad
             specs.append([a.dtype.str, list(a.shape), 0, packed_at])
-            small.append(a.tobytes() if a.ndim == 0 else memoryview(a).cast("B"))
+            # a 0-d or an empty N-d array has no byte view to cast (empty row sets do travel)
+            small.append(a.tobytes() if a.ndim == 0 or a.size == 0 else memoryview(a).cast("B"))
             packed_at += a.nbytes
         else:
             frame = 1 + len(big)

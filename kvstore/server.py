@@ -34,9 +34,11 @@ from .compression import Compression, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
-from .memory import tune_allocator
+from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
+from .sharding import row_server
+from .sparse import SparseKeys, check_init, dump_states, load_states
 
 log = logging.getLogger("kvstore.server")
 
@@ -124,6 +126,16 @@ class Server:
             "hello": self._on_hello,
             "auth": self._on_auth,
         }
+        self.rows = SparseKeys()  # row-sparse keys (kvstore.sparse)
+        self.handlers.update(
+            {
+                "sparse_init": self._on_sparse_init,
+                "sparse_push": self._on_sparse_push,
+                "sparse_pull": self._on_sparse_pull,
+                "sparse_rows": self._on_sparse_pull,
+                "sparse_load": self._on_sparse_load,
+            }
+        )
         self.control_handlers = {
             "worker_done": self._on_worker_done,
             "worker_joined": self._on_worker_joined,
@@ -252,10 +264,11 @@ class Server:
         return 0
 
     # ---- sending
-    def _send(self, identity: bytes, msg: Message, keys=None) -> None:
-        """Send without blocking; ``keys`` name the stored arrays the message carries."""
+    def _send(self, identity: bytes, msg: Message, keys=None, track: bool = True) -> None:
+        """Send without blocking; ``keys`` name the stored arrays the message carries
+        (``track=False``: it carries only fresh copies)."""
         try:
-            sent = transport.send(self.sock, msg, route=identity)
+            sent = transport.send(self.sock, msg, route=identity, track=track)
         except zmq.Again:
             if identity not in self._lost:
                 self._lost.add(identity)
@@ -282,6 +295,9 @@ class Server:
         self._send(identity, error_reply(request, self.name, f"{self.name}: {text}"))
 
     def _reply(self, req: Request) -> None:
+        if req.msg.kind.startswith("sparse_"):
+            self._reply_rows(req)
+            return
         if req.msg.kind == "push" or req.msg.body.get("flush") is True:
             self._send(req.identity, Message("ack", req.msg.id, self.name))
             return
@@ -332,6 +348,9 @@ class Server:
         """``stored = updater(value, stored)``; without an updater, assign a round's sum or
         add an async push. Never writes into an array a reply still reads."""
         key, value = action.key, action.value
+        if key in self.rows.tables:
+            self._apply_rows(action)
+            return
         old = self.stored[key]
         sends = self.sending.pop(key, None)
         busy = sends is not None and any(not s.done for s in sends)
@@ -579,15 +598,151 @@ class Server:
         if name == "get_states":
             if self.updater is None:
                 raise ValueError("no optimizer is set; call set_optimizer first")
-            blob = np.frombuffer(self.updater.dumps(), np.uint8)
+            blob = np.frombuffer(dump_states(self.updater, self.rows.tables), np.uint8)
             self._send(identity, Message("ack", msg.id, self.name, {}, [blob]))
         elif name == "set_states":
             if self.updater is None or len(msg.arrays) != 1:
                 raise ValueError("set_states needs an optimizer and one state blob")
-            self.updater.loads(msg.arrays[0].tobytes())
+            load_states(self.updater, self.rows.tables, msg.arrays[0].tobytes())
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")
+
+    # ---- row-sparse keys (kvstore.sparse): a RowTable per (key, part = this server); the
+    # rounds are Rounds' own, fed an empty array per push, while SparseKeys holds the rows
+    def _row_keys(self, msg: Message) -> list[tuple]:
+        keys = [tuple(k) for k in msg.body["keys"]]
+        for key in keys:
+            if key not in self.rows.tables:
+                raise KeyError(f"row-sparse key {_show(key)} was never initialised on this server")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice in one request")
+        return keys
+
+    def _rows_of(self, key: tuple, ids: np.ndarray, rows=None) -> None:
+        """Check a request's row ids (and rows) for ``key``: sorted, unique, in range, and
+        this server's (sharding.row_server)."""
+        table = self.rows.tables[key]
+        if ids.dtype != np.int64 or ids.ndim != 1:
+            raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
+        if ids.size:
+            if (
+                ids[0] < 0
+                or ids[-1] >= table.rows
+                or (ids.size > 1 and not (ids[1:] > ids[:-1]).all())
+            ):
+                raise ValueError(
+                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {table.rows})"
+                )
+            servers = self.cfg.num_server
+            if servers > 1 and (row_server(ids, servers) != key[1]).any():
+                raise ValueError(f"key {_show(key)}: row ids of another server")
+        if rows is not None and (rows.dtype != table.dtype or rows.shape != (ids.size, table.dim)):
+            raise ValueError(
+                f"key {_show(key)}: got rows {rows.shape} x {rows.dtype}, expected "
+                f"{ids.size} x {table.dim} x {table.dtype}"
+            )
+
+    def _on_sparse_init(self, identity, rank, msg) -> None:
+        keys, metas = [tuple(k) for k in msg.body["keys"]], msg.body["meta"]
+        if len(metas) != len(keys) or len(msg.arrays) != 2 * len(keys):
+            raise ValueError("sparse_init: one meta and two arrays (ids, rows) per key")
+        for key, meta in zip(keys, metas, strict=True):
+            if key in self.rows.tables or key in self.stored:
+                raise ValueError(f"key {_show(key)} is already initialised")
+            rows, dim, dtype, init = meta
+            if type(rows) is not int or type(dim) is not int or rows < 0 or dim < 0:
+                raise ValueError(f"key {_show(key)}: bad shape ({rows!r}, {dim!r})")
+            dtype = np.dtype(dtype)
+            if dtype.kind not in "fc":
+                raise ValueError(f"key {_show(key)}: a row-sparse key holds floats, not {dtype}")
+            check_init(init)
+        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+            rows, dim, dtype, init = meta
+            table = self.rows.add_key(key, rows, dim, np.dtype(dtype), init)
+            ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
+            self._rows_of(key, ids, data)
+            table.assign(ids, data)
+            self.rounds.add_key(key)
+        self._send(identity, Message("ack", msg.id, self.name))
+
+    @metrics.served
+    def _on_sparse_push(self, identity, rank, msg) -> None:
+        keys = self._row_keys(msg)
+        if len(msg.arrays) != 2 * len(keys):
+            raise ValueError(f"sparse_push: {len(keys)} keys need {2 * len(keys)} arrays")
+        sync = bool(msg.body.get("sync", True))
+        grads = []
+        for i, key in enumerate(keys):
+            ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
+            self._rows_of(key, ids, data)
+        for i, key in enumerate(keys):
+            table = self.rows.tables[key]
+            round_ = self.rounds.keys[key].pushed[rank]
+            self.rows.add(key, round_, rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
+            grads.append((key, self.rows.placeholder(table.dtype)))
+        now = time.monotonic()
+        self._execute(self.rounds.push(Request(identity, msg), rank, grads, sync, now))
+
+    @metrics.served
+    def _on_sparse_pull(self, identity, rank, msg) -> None:
+        """``sparse_pull`` (arrays: the row ids per key) and ``sparse_rows`` (the rows changed
+        since a step) wait, as a pull, for the rounds this worker pushed."""
+        keys = self._row_keys(msg)
+        if msg.kind == "sparse_pull":
+            if len(msg.arrays) != len(keys):
+                raise ValueError(f"sparse_pull: {len(keys)} keys need {len(keys)} id arrays")
+            for key, ids in zip(keys, msg.arrays, strict=True):
+                self._rows_of(key, ids)
+        self._execute(self.rounds.pull(Request(identity, msg), rank, keys))
+
+    def _on_sparse_load(self, identity, rank, msg) -> None:
+        keys = self._row_keys(msg)
+        if len(msg.arrays) != 2 * len(keys):
+            raise ValueError(f"sparse_load: {len(keys)} keys need {2 * len(keys)} arrays")
+        for i, key in enumerate(keys):
+            self._rows_of(key, msg.arrays[2 * i], msg.arrays[2 * i + 1])
+        for i, key in enumerate(keys):
+            self.rows.tables[key].assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
+        self._send(identity, Message("ack", msg.id, self.name))
+
+    def _apply_rows(self, action: Apply) -> None:
+        """A round of a row-sparse key: sum its pushes by rank, update the touched rows."""
+        key = action.key
+        table = self.rows.tables[key]
+        if self.updater is None:
+            self.rows.apply(key, action.accumulate)
+        else:
+            up = self.updater
+            t = up.counts[key] = up.counts.get(key, 0) + 1
+            up.num_update = max(up.num_update, t)
+            lr = up.optimizer.learning_rate(up.num_update)
+            self.rows.apply(key, action.accumulate, up.optimizer, t, lr)
+        if self.rows.grown(table):
+            trim()  # the superseded index arrays: back to the kernel, not kept resident
+
+    def _reply_rows(self, req: Request) -> None:
+        msg = req.msg
+        if msg.kind == "sparse_push" and not msg.body.get("pull"):
+            self._send(req.identity, Message("ack", msg.id, self.name))
+            return
+        keys = [tuple(k) for k in msg.body["keys"]]
+        body: dict = {"keys": msg.body["keys"]}
+        if msg.kind == "sparse_pull":
+            arrays = [
+                self.rows.tables[k].read(ids) for k, ids in zip(keys, msg.arrays, strict=True)
+            ]
+        elif msg.kind == "sparse_push":  # a pushpull: the rows pushed, after the round
+            arrays = [
+                self.rows.tables[k].pushed_rows(msg.arrays[2 * i]) for i, k in enumerate(keys)
+            ]
+        else:  # sparse_rows: the rows changed after a step, and the step now
+            table = self.rows.tables[keys[0]]
+            arrays = list(table.changed_since(msg.body["since"]))
+            body["step"] = table.step
+        kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
+        # the rows are gathered copies, never written again: no trackers
+        self._send(req.identity, Message(kind, msg.id, self.name, body, arrays), track=False)
 
 
 def _staleness(msg: Message) -> int | None:

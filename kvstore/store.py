@@ -16,6 +16,7 @@ import numpy as np
 from . import optimizer as opt
 from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
 from .compression import Compression
+from .sparse import RowSparse, check_ids, check_optimizer, sum_rows, write_rows
 
 
 @dataclass
@@ -51,6 +52,29 @@ class Pending:
 class Meta:
     shape: tuple
     dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class SparseMeta(Meta):
+    """A row-sparse key (:mod:`kvstore.sparse`): ``shape`` is (rows, dim); ``init`` the spec
+    its rows start from."""
+
+    init: dict
+
+
+@dataclass
+class RowsItem:
+    """One row-sparse key of a call: the pushed sum (canonical), or the outputs and the row
+    ids wanted for each."""
+
+    key: int | str
+    value: RowSparse | None = None
+    outs: list | None = None
+    ids: list | None = None
+
+    @property
+    def values(self) -> list:  # the metrics read an item's first value and output
+        return [self.value]
 
 
 _NUMBER_KINDS = "biufc"  # not object, str, bytes, void (structured) or datetime arrays
@@ -92,6 +116,18 @@ def _as_list(value, what: str, key, role: str = "value") -> list:
     return items
 
 
+def _holds_rows(value) -> bool:
+    """Whether an init value (one, or one per key) holds a RowSparse."""
+    if isinstance(value, RowSparse):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, RowSparse) for v in value)
+
+
+def _is_id_list(value) -> bool:
+    """A plain list of ints is one set of row ids, not one per output."""
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+
+
 class KVStore:
     """The API shared by every store type. Create one with :func:`kvstore.create`.
 
@@ -111,6 +147,7 @@ class KVStore:
         self._key_kind: type | None = None
         self._compression: Compression | None = None
         self._pushed = False
+        self._sparse: dict = {}  # row-sparse keys -> SparseMeta (kvstore.sparse)
 
     # ---- identity
     @property
@@ -228,7 +265,12 @@ class KVStore:
 
     # ---- public API
     def init(self, key, value) -> None:
-        """Initialise each key once with a value; every worker calls it (rank 0's value wins)."""
+        """Initialise each key once with a value; every worker calls it (rank 0's value wins).
+        A :class:`~kvstore.sparse.RowSparse` value makes a row-sparse key (see
+        :meth:`init_rows`)."""
+        if _holds_rows(value):
+            self._split_rows("init", key, value, None)
+            return
         items = self._items("init", key, value, need_init=False)
         for item in items:
             if item.key in self._meta:
@@ -249,6 +291,9 @@ class KVStore:
 
     def push(self, key, value, priority: int = 0) -> None:
         """Push one array or one per device per key; the arrays of a key are summed first."""
+        if self._sparse and self._names_rows(key):
+            self._split_rows("push", key, value, None)
+            return
         items = self._items("push", key, value)
         self._pushed = True
         self._push(items)
@@ -257,10 +302,18 @@ class KVStore:
         """Copy each key's current value into ``out`` (one array or one per device)."""
         if out is None:
             raise ValueError("pull: out= is required (one array, or one per device, per key)")
+        if self._sparse and self._names_rows(key):
+            self._split_rows("pull", key, None, out)
+            return
         self._pull(self._items("pull", key, outs=out))
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
-        """``push`` then ``pull``; with ``out=None`` the result is written back into ``value``."""
+        """``push`` then ``pull``; with ``out=None`` the result is written back into ``value``.
+        For a row-sparse key, the rows pushed are pulled back (into ``value`` itself when
+        ``out`` is None)."""
+        if self._sparse and self._names_rows(key):
+            self._split_rows("pushpull", key, value, value if out is None else out)
+            return
         items = self._items("pushpull", key, value, value if out is None else out)
         self._pushed = True
         self._pushpull(items)
@@ -308,6 +361,9 @@ class KVStore:
             raise ValueError("row_sparse_pull: out= is required (one array, or one per device)")
         if row_ids is None:
             raise ValueError("row_sparse_pull: row_ids= is required (a 1-D array of row ids)")
+        if self._sparse and self._names_rows(key):
+            self._row_sparse_pull_rows(key, out, row_ids)
+            return
         items = self._items("row_sparse_pull", key, outs=out)
         single = not isinstance(key, (list, tuple))
         per_key = [row_ids] if single else row_ids
@@ -344,6 +400,226 @@ class KVStore:
                 index = xp.asarray(np.unique(rows))
                 target[...] = 0
                 target[index] = value[index]
+
+    # ---- row-sparse keys (kvstore.sparse)
+    def _names_rows(self, key) -> bool:
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        return any(_norm_key(k) in self._sparse for k in keys)
+
+    def _split_rows(self, what: str, key, value, out) -> None:
+        """A call naming row-sparse keys: the dense keys go through the dense path, the
+        row-sparse ones through ``_init_rows`` / ``_push_rows`` / ``_pull_rows``."""
+        single = not isinstance(key, (list, tuple))
+        keys = [key] if single else list(key)
+        values = [value] if single else value
+        outs = [out] if single else out
+        for given, name in ((values, "values"), (outs, "out")):
+            if given is not None and (
+                not isinstance(given, (list, tuple)) or len(given) != len(keys)
+            ):
+                raise ValueError(f"{what}: {len(keys)} keys but not one {name} entry per key")
+        rows, dense = [], []
+        for i, k in enumerate(keys):
+            k = _norm_key(k)
+            v = None if values is None else values[i]
+            sparse = _holds_rows(v) if what == "init" else k in self._sparse
+            (rows if sparse else dense).append((k, v, None if outs is None else outs[i]))
+        if dense:
+            ks, vs, os_ = ([d[j] for d in dense] for j in range(3))
+            if what == "init":
+                self.init(ks, vs)
+            elif what == "push":
+                self.push(ks, vs)
+            elif what == "pull":
+                self.pull(ks, out=os_)
+            else:
+                self.pushpull(ks, vs, out=os_)
+        if what == "init":
+            self.init_rows([k for k, _, _ in rows], [v for _, v, _ in rows])
+            return
+        if what == "pull":  # a whole small table, as MXNet's pull of a row_sparse key
+            ids = []
+            for k, _, _ in rows:
+                n = self._sparse[k].shape[0]
+                if n * self._sparse[k].shape[1] > 1 << 28:
+                    raise ValueError(
+                        f"pull(key={k!r}): a row-sparse key of {n} rows is not pulled whole; "
+                        "use row_sparse_pull(key, out, row_ids) for the rows you need"
+                    )
+                ids.append(np.arange(n))
+            self._row_sparse_pull_rows([k for k, _, _ in rows], [o for _, _, o in rows], ids)
+            return
+        pushed = [self._rows_value(what, k, v) for k, v, _ in rows]
+        items = [RowsItem(k, p) for (k, _, _), p in zip(rows, pushed, strict=True)]
+        self._pushed = True
+        if what == "push":
+            self._push_rows(items)
+            return
+        pulls = self._rows_pull_items(
+            [k for k, _, _ in rows], [o for _, _, o in rows], [p.indices for p in pushed]
+        )
+        for item, pull in zip(items, pulls, strict=True):
+            item.outs = pull.outs  # what the metrics count as pulled
+        self._pushpull_rows(items, pulls)
+
+    def _pushpull_rows(self, items, pulls) -> None:
+        """Push ``items``, then pull the rows each pushed into ``pulls``' outputs."""
+        self._push_rows(items)
+        self._pull_rows(pulls)
+
+    def _rows_value(self, what: str, key, value) -> RowSparse:
+        """The canonical sum of a key's pushed values (one per device)."""
+        meta = self._sparse[key]
+        if self._compression is not None:
+            raise ValueError(
+                f"{what}(key={key!r}): gradient compression does not apply to row-sparse "
+                "keys (their pushes carry only the rows touched); push them from a store "
+                "without set_gradient_compression, or make the key dense"
+            )
+        optimizer = getattr(self, "_optimizer", None)
+        if optimizer is not None:  # refused here, before anything is sent
+            try:
+                check_optimizer(optimizer, meta.dtype)
+            except ValueError as exc:
+                raise ValueError(f"{what}(key={key!r}): {exc}") from None
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values:
+            raise ValueError(f"{what}(key={key!r}): empty list of values")
+        checked = []
+        for v in values:
+            if is_array(v) and tuple(v.shape) == meta.shape:
+                v = RowSparse.from_dense(v)  # a dense gradient: its non-zero rows
+            if not isinstance(v, RowSparse):
+                raise TypeError(
+                    f"{what}(key={key!r}): a row-sparse key takes a kvstore.sparse.RowSparse "
+                    f"(or a dense array of its shape {meta.shape}), got {type(v).__name__}"
+                )
+            if v.shape != meta.shape:
+                raise ValueError(
+                    f"{what}(key={key!r}): value shape {v.shape} does not match the "
+                    f"initialised shape {meta.shape}"
+                )
+            if v.dtype != meta.dtype and not np.can_cast(v.dtype, meta.dtype, "same_kind"):
+                raise TypeError(
+                    f"{what}(key={key!r}): value dtype {v.dtype} does not match the "
+                    f"initialised dtype {meta.dtype} (no same-kind cast)"
+                )
+            checked.append(v)
+        return sum_rows(checked, meta.shape, meta.dtype)
+
+    def init_rows(self, key, value) -> None:
+        """Initialise row-sparse keys: ``value`` a :class:`~kvstore.sparse.RowSparse` holding
+        the rows to start with (often none: ``RowSparse.empty(shape, init=...)``); every
+        other row is created when first pushed, from ``value.init`` (default zeros).
+
+        >>> from kvstore.sparse import RowSparse, uniform
+        >>> init = uniform(-0.1, 0.1, seed=1)
+        >>> kv.init('emb', RowSparse.empty((10**9, 64), init=init))  # doctest: +SKIP
+        """
+        single = not isinstance(key, (list, tuple))
+        keys = [_norm_key(k) for k in ([key] if single else key)]
+        values = [value] if single else list(value)
+        if len(values) != len(keys):
+            raise ValueError(f"init: {len(keys)} keys but {len(values)} values")
+        kinds = {type(k) for k in keys} | ({self._key_kind} if self._key_kind else set())
+        if len(kinds) > 1:
+            raise TypeError(f"init: int and str keys cannot be mixed in one store, got {keys}")
+        items = []
+        for k, v in zip(keys, values, strict=True):
+            if k in self._meta:
+                raise ValueError(
+                    f"init(key={k!r}): duplicate init of key: it is already initialised "
+                    "(init once per key, as in MXNet)"
+                )
+            if not isinstance(v, RowSparse):
+                raise TypeError(f"init(key={k!r}): expected a kvstore.sparse.RowSparse")
+            if v.dtype.kind not in "fc":
+                raise TypeError(f"init(key={k!r}): a row-sparse key holds floats, got {v.dtype}")
+            canonical = v.canonical()
+            items.append(RowsItem(k, RowSparse(canonical.indices, canonical.data, v.shape, v.init)))
+        self._init_rows(items)
+        for item in items:
+            v = item.value
+            self._meta[item.key] = self._sparse[item.key] = SparseMeta(
+                v.shape, np.dtype(v.dtype), v.init or {"kind": "zeros"}
+            )
+            self._key_kind = type(item.key)
+
+    def _row_sparse_pull_rows(self, key, out, row_ids) -> None:
+        single = not isinstance(key, (list, tuple))
+        keys = [_norm_key(k) for k in ([key] if single else key)]
+        outs = [out] if single else list(out)
+        ids = [row_ids] if single else row_ids
+        if not single and (not isinstance(ids, (list, tuple)) or len(ids) != len(keys)):
+            raise ValueError("row_sparse_pull: with a list of keys, give one row_ids per key")
+        if len(outs) != len(keys):
+            raise ValueError("row_sparse_pull: with a list of keys, give one out per key")
+        self._pull_rows(self._rows_pull_items(keys, outs, ids))
+
+    def _rows_pull_items(self, keys, outs, ids) -> list:
+        """Checked :class:`RowsItem` s of a row-sparse pull: one list of outputs and one id
+        array per output, per key."""
+        items = []
+        for k, o, r in zip(keys, outs, ids, strict=True):
+            meta = self._sparse.get(k)
+            if meta is None:
+                if k in self._meta:
+                    raise TypeError(
+                        f"row_sparse_pull(key={k!r}): a list of keys mixes row-sparse and "
+                        "dense keys; pull them in separate calls"
+                    )
+                raise KeyError(f"row_sparse_pull(key={k!r}): key was never initialised")
+            key_outs = list(o) if isinstance(o, (list, tuple)) else [o]
+            for target in key_outs:
+                if isinstance(target, RowSparse):
+                    if target.shape != meta.shape:
+                        raise ValueError(
+                            f"row_sparse_pull(key={k!r}): out shape {target.shape} does not "
+                            f"match the initialised shape {meta.shape}"
+                        )
+                elif not is_array(target) or tuple(target.shape) != meta.shape:
+                    raise TypeError(
+                        f"row_sparse_pull(key={k!r}): out must be a kvstore.sparse.RowSparse "
+                        f"or an array of the key's shape {meta.shape}"
+                    )
+            id_list = list(r) if isinstance(r, (list, tuple)) and not _is_id_list(r) else [r]
+            if len(id_list) == 1:
+                id_list = id_list * len(key_outs)
+            if len(id_list) != len(key_outs):
+                raise ValueError(
+                    f"row_sparse_pull(key={k!r}): {len(id_list)} row_ids for "
+                    f"{len(key_outs)} outputs; give one, or one per output"
+                )
+            checked = [check_ids("row_sparse_pull", k, x, meta.shape[0]) for x in id_list]
+            items.append(RowsItem(k, outs=key_outs, ids=checked))
+        return items
+
+    def save_rows(self, key, since: int = 0) -> tuple[RowSparse, int]:
+        """The rows of a row-sparse key changed after step ``since`` (a step is a round
+        applied on the servers; rows created count as changed), and the step now: pass it
+        as ``since`` next time to export only what changed in between (online training).
+        Includes every push this worker made before the call.
+
+        >>> rows, step = kv.save_rows('emb', since=0)  # doctest: +SKIP
+        >>> later, step = kv.save_rows('emb', since=step)  # doctest: +SKIP
+        """
+        k = _norm_key(key)
+        if k not in self._sparse:
+            raise KeyError(f"save_rows(key={k!r}): not a row-sparse key (init it with a RowSparse)")
+        if isinstance(since, bool) or not isinstance(since, (int, np.integer)) or since < 0:
+            raise ValueError(f"save_rows(key={k!r}): since must be a step >= 0, got {since!r}")
+        return self._save_rows(k, int(since))
+
+    def load_rows(self, key, value: RowSparse) -> None:
+        """Set rows of a row-sparse key (from :meth:`save_rows`), bypassing the optimizer."""
+        k = _norm_key(key)
+        if k not in self._sparse:
+            raise KeyError(f"load_rows(key={k!r}): not a row-sparse key (init it with a RowSparse)")
+        meta = self._sparse[k]
+        if not isinstance(value, RowSparse) or value.shape != meta.shape:
+            raise ValueError(f"load_rows(key={k!r}): expected a RowSparse of shape {meta.shape}")
+        c = value.canonical()
+        self._load_rows(k, RowSparse(c.indices, c.data.astype(meta.dtype, copy=False), meta.shape))
 
     def is_capable(self, capability: str) -> bool:
         """MXNet's capability query: ``'optimizer'`` (updates on the store) is True."""
@@ -421,6 +697,21 @@ class KVStore:
     def _pull(self, items):
         raise NotImplementedError
 
+    def _init_rows(self, items):
+        raise NotImplementedError
+
+    def _push_rows(self, items):
+        raise NotImplementedError
+
+    def _pull_rows(self, items):
+        raise NotImplementedError
+
+    def _save_rows(self, key, since: int):
+        raise NotImplementedError
+
+    def _load_rows(self, key, value):
+        raise NotImplementedError
+
     def _pushpull(self, items):
         self._push(items)
         self._pull(items)
@@ -489,15 +780,66 @@ class LocalStore(KVStore):
         self._updater = updater
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        from .sparse import dump_states
+
+        updater = self._require_updater("save_optimizer_states")
         with open(fname, "wb") as f:
-            f.write(self._require_updater("save_optimizer_states").dumps())
+            f.write(dump_states(updater, getattr(self, "_tables", {})))
 
     def load_optimizer_states(self, fname: str) -> None:
         updater = self._require_updater("load_optimizer_states")
         with open(fname, "rb") as f:
-            updater.loads(f.read(), like=self._store)
+            blob = f.read()
+        updater.loads(blob, like=self._store)
+        if getattr(self, "_tables", None):  # row-sparse keys' states (kvstore.sparse)
+            from .sparse import load_states
+
+            load_states(updater, self._tables, blob, dense=False)
 
     def _require_updater(self, what: str) -> opt.Updater:
         if not isinstance(self._updater, opt.Updater):
             raise ValueError(f"{what}: no optimizer state; call set_optimizer first")
         return self._updater
+
+    # ---- row-sparse keys: a RowTable per key (kvstore.sparse), updated lazily
+    def _init_rows(self, items):
+        from .sparse import RowTable
+
+        tables = self.__dict__.setdefault("_tables", {})
+        for item in items:
+            v = item.value
+            table = RowTable(v.shape[1], v.dtype, v.init, v.shape[0])
+            table.assign(v.indices, v.data)
+            tables[item.key] = table
+
+    def _push_rows(self, items):
+        for item in items:
+            table = self._tables[item.key]
+            value = item.value
+            if self._updater is None:
+                table.apply(value.indices, value.data)
+                continue
+            if not isinstance(self._updater, opt.Updater):
+                raise ValueError(
+                    f"push(key={item.key!r}): a set_updater callable cannot update a "
+                    "row-sparse key; use set_optimizer"
+                )
+            up = self._updater
+            t = up.counts[item.key] = up.counts.get(item.key, 0) + 1
+            up.num_update = max(up.num_update, t)
+            lr = up.optimizer.learning_rate(up.num_update)
+            table.apply(value.indices, value.data, up.optimizer, t, lr)
+
+    def _pull_rows(self, items):
+        for item in items:
+            table = self._tables[item.key]
+            for out, ids in zip(item.outs, item.ids, strict=True):
+                write_rows(out, ids, table.read)
+
+    def _save_rows(self, key, since: int):
+        table = self._tables[key]
+        ids, rows = table.changed_since(since)
+        return RowSparse(ids, rows, self._sparse[key].shape), table.step
+
+    def _load_rows(self, key, value):
+        self._tables[key].assign(value.indices, value.data)

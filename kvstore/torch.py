@@ -1778,12 +1778,15 @@ class _DistributedMixin:
         self._kvt_lock = threading.Lock()
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         params = list({id(p): p for p in params}.values())
+        rows = [p for p in params if getattr(p, "_kvt_row_sparse", False)]  # row_sparse()
+        params = [p for p in params if not getattr(p, "_kvt_row_sparse", False)]
         self._kvt_names = {id(p): named[id(p)] for p in params}
         # Reverse order: backward produces the last layers' gradients first.
         groups: dict = {}
         for p in reversed(params):
             groups.setdefault((_wire_dtype(compression, p.dtype), p.dtype), []).append(p)
         st.optimizers += 1
+        self._kvt_rows = _RowGrads(rows, st.optimizers) if rows else None
         self._kvt_buckets: list[_Bucket] = []
         for (dtype, _), members in groups.items():
             current, nbytes = [], 0
@@ -1905,6 +1908,8 @@ class _DistributedMixin:
                     b.grads.mul_(self._kvt_postscale)
                 for (p, _, _), view in zip(b.slots, b.grad_views, strict=True):
                     p.grad = view
+        if getattr(self, "_kvt_rows", None) is not None:
+            self._kvt_rows.sync(self._kvt_prescale, self._kvt_postscale)
         self._kvt_reset()
         self._kvt_synchronized = True
 
@@ -2077,3 +2082,83 @@ def _names(optimizer, named_parameters) -> dict:
             f"named (shapes {[tuple(p.shape) for p in unnamed]})."
         )
     return by_id
+
+
+# ---------------------------------------------------------------- row-sparse gradients
+
+
+def row_sparse(module) -> None:
+    """Send the gradient of ``module``'s weight (an ``nn.Embedding`` or ``nn.EmbeddingBag``
+    made with ``sparse=True``) as rows through a row-sparse key (:mod:`kvstore.sparse`)
+    instead of a dense bucket: only the rows a step touched travel, and every worker's
+    ``step()`` gets the same sparse gradient, the rows any worker touched, averaged (as
+    Horovod's sparse allreduce). Call it before :func:`DistributedOptimizer`.
+
+    >>> emb = torch.nn.Embedding(10**6, 64, sparse=True)  # doctest: +SKIP
+    >>> hvd.row_sparse(emb)  # doctest: +SKIP
+    """
+    weight = getattr(module, "weight", module)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(
+            f"row_sparse: expected an nn.Embedding (or its 2-D weight), got {type(module).__name__}"
+        )
+    if isinstance(module, torch.nn.Module) and not getattr(module, "sparse", True):
+        raise ValueError(
+            "row_sparse: the module makes dense gradients; create it with sparse=True "
+            "(nn.Embedding(num, dim, sparse=True))"
+        )
+    weight._kvt_row_sparse = True
+
+
+class _RowGrads:
+    """The parameters marked by :func:`row_sparse`, one row-sparse key each. A step: every
+    worker pushes its gradient's rows (an empty set when it has none); the round leaves each
+    touched row's sum; ``save_rows`` since the last step gives every worker that round's
+    rows, the same bits everywhere."""
+
+    def __init__(self, params: list, index: int):
+        from .sparse import RowSparse
+
+        self.params = params
+        self.keys = [f"kvt.rows.{index}.{i}" for i in range(len(params))]
+        self.shapes = [tuple(p.shape) for p in params]
+        self.dtypes = [
+            np.dtype(np.float32)
+            if p.dtype == torch.bfloat16
+            else _wire_dtype(NoneCompressor, p.dtype)
+            for p in params
+        ]
+        self.steps = [0] * len(params)
+        empty = [RowSparse.empty(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
+        _require().comm.run(lambda kv: kv.init(self.keys, empty))
+
+    def sync(self, prescale: float, postscale: float) -> None:
+        from .sparse import RowSparse
+
+        values = []
+        for p, shape, dtype in zip(self.params, self.shapes, self.dtypes, strict=True):
+            grad = p.grad
+            if grad is None:
+                values.append(RowSparse.empty(shape, dtype))
+                continue
+            if not grad.is_sparse:
+                raise ValueError(
+                    f"row_sparse: parameter of shape {shape} has a dense gradient; make its "
+                    "module with sparse=True"
+                )
+            value = RowSparse.from_torch(grad.float() if grad.dtype == torch.bfloat16 else grad)
+            if prescale != 1.0:
+                value.data = value.data * value.data.dtype.type(prescale)
+            values.append(value)
+
+        def job(kv):
+            kv.push(self.keys, values)
+            return [kv.save_rows(k, since=s) for k, s in zip(self.keys, self.steps, strict=True)]
+
+        results = _require().comm.run(job)
+        for i, (p, (rows, step)) in enumerate(zip(self.params, results, strict=True)):
+            self.steps[i] = step
+            data = rows.data if postscale == 1.0 else rows.data * rows.data.dtype.type(postscale)
+            index = torch.from_numpy(rows.indices).unsqueeze(0)
+            grad = torch.sparse_coo_tensor(index, torch.from_numpy(data), self.shapes[i])
+            p.grad = grad.to(device=p.device, dtype=p.dtype).coalesce()

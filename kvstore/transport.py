@@ -38,8 +38,12 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)  # plain ints: enum flag arithmetic costs
 _LAST = int(zmq.NOBLOCK)
 
 
-def send(sock: zmq.Socket, msg: Message, route: bytes | None = None) -> list[Sent]:
-    """Send ``msg`` (to ``route`` on a ROUTER socket) without blocking or copying big arrays."""
+def send(
+    sock: zmq.Socket, msg: Message, route: bytes | None = None, track: bool = True
+) -> list[Sent]:
+    """Send ``msg`` (to ``route`` on a ROUTER socket) without blocking or copying big arrays.
+    ``track=False`` for arrays nobody writes again (fresh copies): no trackers, which cost a
+    notification per frame; ZeroMQ keeps them alive until sent."""
     frames, carried = encode_frames(msg)
     last = len(frames) - 1
     if route is not None:
@@ -50,6 +54,9 @@ def send(sock: zmq.Socket, msg: Message, route: bytes | None = None) -> list[Sen
         index = carried.get(i)
         if index is None or memoryview(frame).nbytes < COPY_BELOW:
             sock.send(frame, flags)
+            continue
+        if not track:
+            sock.send(frame, flags, copy=False)
             continue
         tracker = sock.send(frame, flags, copy=False, track=True)
         sent.append(Sent(index, tracker))

@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import auth, metrics, shm, transport
+from . import auth, metrics, shm, sparse, transport
 from .arrays import namespace, reduce_sum, to_host
 from .config import Config, setup_logging, staleness_of, warn_if_insecure
 from .control import Control, raise_for
@@ -51,6 +51,7 @@ log = logging.getLogger("kvstore.worker")
 # the store fails with it.
 _MUTATING = frozenset({"init", "push", "pushpull", "optimizer", "set_states"})
 _PULLING = frozenset({"pull", "pushpull"})
+_MUTATING = _MUTATING | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -594,6 +595,67 @@ class DistStore(KVStore):
             return first.reshape(-1)
         total = reduce_sum(values, first.dtype, on_device=self._on_device)
         return np.ascontiguousarray(to_host(total)).reshape(-1)
+
+    # ---- row-sparse keys (kvstore.sparse): every server holds the rows row_server gives it
+    def _init_rows(self, items):
+        if self._rank == 0:
+            ids, _ = self._commit("init", sparse.plan_init(items, len(self._servers)))
+            self._wait("init", ids)
+        self.barrier()
+
+    @metrics.observed("push")
+    def _push_rows(self, items):
+        outgoing = sparse.plan_push(items, len(self._servers), self._sync)
+        _, trackers = self._commit("push", outgoing)
+        if len(self._servers) > 1:  # the rows sent are copies (split by server): no wait
+            return
+        self._wait("push", ids=(), trackers=trackers)
+
+    @metrics.observed("pushpull")
+    def _pushpull_rows(self, items, pulls):
+        """One message per server: the push, answered with the pushed rows once its round
+        is applied."""
+        n = len(self._servers)
+        outgoing, collector = sparse.plan_push(items, n, self._sync, pulls, self._sparse)
+        ids, trackers = self._commit("pushpull", outgoing, collector)
+        if n > 1:  # the rows sent are copies (split by server): the replies are enough
+            trackers = []
+        self._collect("pushpull", ids, trackers, collector)
+
+    @metrics.observed("pull")
+    def _pull_rows(self, items):
+        outgoing, collector = sparse.plan_pull(items, len(self._servers), self._sparse)
+        ids, _ = self._commit("row_sparse_pull", outgoing, collector)
+        self._collect("row_sparse_pull", ids, [], collector)
+
+    def _save_rows(self, key, since: int):
+        parts: list = []
+
+        def keep(msg):
+            parts.append((msg.body.get("step", 0), *msg.arrays[:2]))
+
+        ids = [
+            self._send(s, "sparse_rows", {"keys": [[key, s]], "since": since}, on_reply=keep)
+            for s in range(len(self._servers))
+        ]
+        self._wait("save_rows", ids)
+        meta = self._sparse[key]
+        found = [p for p in parts if len(p) == 3]
+        if len(found) != len(self._servers):
+            raise KVStoreError(f"save_rows(key={key!r}): a server's reply holds no rows")
+        value = sparse.RowSparse(
+            np.concatenate([p[1] for p in found]),
+            np.concatenate([p[2].reshape(-1, meta.shape[1]) for p in found]),
+            meta.shape,
+        ).canonical()
+        return value, max(p[0] for p in found)
+
+    def _load_rows(self, key, value):
+        ids = []
+        for s, pos in enumerate(sparse.split_by_server(value.indices, len(self._servers))):
+            arrays = [value.indices[pos], np.ascontiguousarray(value.data[pos])]
+            ids.append(self._send(s, "sparse_load", {"keys": [[key, s]]}, arrays))
+        self._wait("load_rows", ids)
 
     # ---- collective and control
     def _ask_scheduler(self, what: str, kind: str, answer: str, body=None) -> Message:

@@ -146,3 +146,33 @@ def test_simulated_network_benchmark_smoke():
     assert all(r["median"] > 0 for r in rows)
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "kvsim" not in namespaces  # removed
+
+
+def test_sparse_benchmark_smoke():
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "sparse.py"),
+            "--dims",
+            "16",
+            "--reqs",
+            "1K",
+            "--reps",
+            "2",
+            "--rows",
+            "100000",
+            "--no-memory",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    seen = {(r["config"], r["op"]) for r in rows}
+    for op in ("push", "pull", "step", "pushpull"):
+        assert ("kvstore", op) in seen, seen
+    assert ("zmq", "step") in seen
+    assert all(r["median"] > 0 for r in rows)
+    assert "vs zmq" in done.stdout

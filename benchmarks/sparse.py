@@ -1,0 +1,399 @@
+"""Row-sparse throughput of kvstore on 127.0.0.1, beside raw ZeroMQ and MXNet ps-lite.
+
+Starts a scheduler, S servers and W workers (``dist_sync``, no optimizer: a round's sum
+becomes the rows). Each worker has one table per dim (``--rows`` x dim, rows created when
+first pushed) and measures, per dim (16, 64, 256) and rows per request (1k, 4k, 64k):
+
+- ``push``: K pushes of REQ random unique rows, then a one-row ``row_sparse_pull`` (which
+  waits for every round of this worker's pushes): rows pushed per second;
+- ``pull``: ``row_sparse_pull`` of REQ random rows: rows per second;
+- ``step``: a push of REQ rows then a ``row_sparse_pull`` of the same rows (MXNet's anchor
+  metric): rows per second, and the bytes of the rows (``REQ * dim * 4``) per second beside a
+  bare pyzmq round trip of the same bytes (``zmq_bound.py``) in the same run.
+
+Then the memory of one server's row store against touched rows (dim 64, with and without
+SGD momentum's state), and with ``--mxnet PYTHON`` (a Python with MXNet 1.9.1) MXNet's
+KVStore (``/work/shared/anchors/mxnet_ps.py --row-sparse 100000x64x4096``, W and S the same)
+beside kvstore's identical step, run back to back, with the ratio.
+
+    python benchmarks/sparse.py                     # W=2 S=2, every dim and size
+    python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
+    python benchmarks/sparse.py --dims 16 --reqs 1K --budget 0.3 --no-memory   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pushpull import SECURITY, free_port  # noqa: E402
+from zmq_bound import EchoServer, timed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ANCHOR = Path("/work/shared/anchors/mxnet_ps.py")
+REQS = {"1K": 1024, "4K": 4096, "64K": 65536}
+
+
+# ---------------------------------------------------------------- inside a worker
+
+
+def worker_main(args) -> int:
+    import kvstore
+    from kvstore.sparse import RowSparse, uniform
+
+    kv = kvstore.create("dist_sync")
+    rng = np.random.default_rng(kv.rank)
+    results = []
+    for dim in [int(d) for d in args.dims.split(",") if d]:
+        shape = (args.rows, dim)
+        key = f"emb{dim}"
+        kv.init(key, RowSparse.empty(shape, np.float32, init=uniform(-0.1, 0.1, seed=1)))
+        for name in args.reqs.split(","):
+            req = REQS.get(name) or int(name)
+            grads = [
+                RowSparse(
+                    np.sort(rng.choice(args.rows, req, replace=False)),
+                    rng.standard_normal((req, dim), dtype=np.float32),
+                    shape,
+                )
+                for _ in range(4)
+            ]
+            # every worker runs the same number of steps (rounds must match): fixed counts
+            for what, fn, rows_per_call in calls(kv, key, shape, grads, req):
+                kv.barrier()
+                times = timed(fn, args.reps, 1e9, warmup=1)
+                rates = [rows_per_call / t for t in times]
+                results.append({"op": what, "dim": dim, "req": name, "rows_per_s": rates})
+        kv.barrier()
+    if args.run_anchor:  # MXNet's anchor case: 100000 x 64, 4096 random draws (unique) per step
+        rows, dim, req = (int(x) for x in args.anchor.lower().split("x"))
+        shape = (rows, dim)
+        kv.init("anchor", RowSparse.empty(shape, np.float32))
+        vals = np.ones((req, dim), np.float32)
+        out = RowSparse.empty(shape, np.float32)
+
+        def anchor_step():  # MXNet's: a push, then a row_sparse_pull of the same rows
+            ids = np.unique(rng.integers(0, rows, req))
+            kv.push("anchor", RowSparse(ids, vals[: ids.size], shape))
+            kv.row_sparse_pull("anchor", out=out, row_ids=ids)
+            return ids.size
+
+        def anchor_pushpull():  # the same work in one call (one message per server)
+            ids = np.unique(rng.integers(0, rows, req))
+            kv.pushpull("anchor", RowSparse(ids, vals[: ids.size], shape), out=out)
+            return ids.size
+
+        for op, fn in (("anchor", anchor_step), ("anchor pushpull", anchor_pushpull)):
+            for _ in range(2):
+                fn()
+            runs = []
+            for _ in range(args.anchor_repeats):
+                kv.barrier()
+                t0 = time.perf_counter()
+                n = sum(fn() for _ in range(args.anchor_steps))
+                runs.append(n / (time.perf_counter() - t0))
+            results.append({"op": op, "dim": dim, "req": str(req), "rows_per_s": runs})
+    kv.close()
+    print("RESULTS " + json.dumps(results), flush=True)
+    return 0
+
+
+def calls(kv, key, shape, grads, req) -> list:
+    """(name, call, rows per call) of the measured operations on one table."""
+    from kvstore.sparse import RowSparse
+
+    out = RowSparse.empty(shape, np.float32)
+    one = RowSparse.empty(shape, np.float32)
+    turn = iter(range(1 << 30))
+
+    def push_k(k=4):
+        for _ in range(k):
+            kv.push(key, grads[next(turn) % 4])
+        kv.row_sparse_pull(key, out=one, row_ids=grads[0].indices[:1])
+
+    def pull():
+        kv.row_sparse_pull(key, out=out, row_ids=grads[next(turn) % 4].indices)
+
+    def step():
+        g = grads[next(turn) % 4]
+        kv.push(key, g)
+        kv.row_sparse_pull(key, out=out, row_ids=g.indices)
+
+    def pushpull():
+        kv.pushpull(key, grads[next(turn) % 4], out=out)
+
+    return [
+        ("push", push_k, 4 * req),
+        ("pull", pull, req),
+        ("step", step, req),
+        ("pushpull", pushpull, req),
+    ]
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_cluster(args, anchor: str = "") -> list[dict]:
+    env = dict(
+        os.environ,
+        DMLC_PS_ROOT_URI="127.0.0.1",
+        DMLC_PS_ROOT_PORT=str(free_port()),
+        DMLC_NUM_SERVER=str(args.servers),
+        DMLC_NUM_WORKER=str(args.workers),
+        DMLC_NODE_HOST="127.0.0.1",
+        PYTHONPATH=str(ROOT),
+        **SECURITY["auth"],
+    )
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--as-worker", "--rows", str(args.rows)]
+    cmd += ["--dims", args.dims if not anchor else "", "--reqs", args.reqs]
+    cmd += ["--reps", str(args.reps), "--anchor-steps", str(args.anchor_steps)]
+    cmd += ["--anchor-repeats", str(args.anchor_repeats)]
+    if anchor:
+        cmd += ["--anchor", anchor, "--run-anchor"]
+    procs, per_worker = [], []
+    try:
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kvstore.scheduler"], env=dict(env, DMLC_ROLE="scheduler")
+            )
+        )
+        procs += [
+            subprocess.Popen(
+                [sys.executable, "-m", "kvstore.server"], env=dict(env, DMLC_ROLE="server")
+            )
+            for _ in range(args.servers)
+        ]
+        workers = [
+            subprocess.Popen(
+                cmd,
+                env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK=str(i)),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(args.workers)
+        ]
+        procs += workers
+        for w in workers:
+            out, _ = w.communicate(timeout=args.timeout)
+            if w.returncode:
+                raise SystemExit(f"a benchmark worker failed ({w.returncode}):\n{out}")
+            per_worker.append(json.loads(out.split("RESULTS ", 1)[1]))
+        for p in procs[: 1 + args.servers]:
+            p.wait(30)
+    finally:
+        for p in procs:  # by PID, whatever happened
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    rows = []
+    for recs in zip(*per_worker, strict=True):  # per measurement: the mean over workers
+        runs = [
+            statistics.fmean(r["rows_per_s"][i] for r in recs)
+            for i in range(len(recs[0]["rows_per_s"]))
+        ]
+        rows.append(
+            {
+                **{k: recs[0][k] for k in ("op", "dim", "req")},
+                "config": "kvstore",
+                "median": statistics.median(runs),
+                "min": min(runs),
+                "max": max(runs),
+                "n": len(runs),
+                "workers": len(recs),
+            }
+        )
+    return rows
+
+
+def zmq_rows(args) -> list[dict]:
+    """A bare pyzmq round trip of each request's row bytes (REQ x dim x 4), as rows/s."""
+    rows = []
+    with EchoServer() as echo:
+        for dim in [int(d) for d in args.dims.split(",") if d]:
+            for name in args.reqs.split(","):
+                req = REQS.get(name) or int(name)
+                array = np.ones(req * dim, np.float32)
+                back = np.empty_like(array)
+
+                def once(array=array, back=back):
+                    echo.sock.send(array, copy=False)
+                    back[...] = np.frombuffer(echo.sock.recv(copy=False).buffer, np.float32)
+
+                times = timed(once, max(args.reps, 10), 2.0)
+                rates = [req / t for t in times]
+                rows.append(
+                    {
+                        "op": "step",
+                        "dim": dim,
+                        "req": name,
+                        "config": "zmq",
+                        "median": statistics.median(rates),
+                        "min": min(rates),
+                        "max": max(rates),
+                        "n": len(rates),
+                    }
+                )
+    return rows
+
+
+def memory_rows(touched=(10_000, 100_000, 1_000_000), dim: int = 64) -> list[dict]:
+    """Bytes held by one row store of a 10^9-row table against rows touched (4k per push)."""
+    from kvstore import optimizer as opt
+    from kvstore.sparse import RowTable, uniform
+
+    rows = []
+    for momentum in (None, 0.9):
+        for n in touched:
+            table = RowTable(dim, np.float32, uniform(-0.1, 0.1, seed=1), rows=10**9)
+            sgd = None if momentum is None else opt.SGD(learning_rate=0.1, momentum=momentum)
+            ids = np.unique(np.random.default_rng(0).integers(0, 10**9, n))
+            t0 = time.perf_counter()
+            for chunk in np.array_split(ids, max(1, ids.size // 4096)):
+                table.apply(chunk, np.ones((chunk.size, dim), np.float32), sgd, 1, 0.1)
+            rows.append(
+                {
+                    "config": "memory",
+                    "optimizer": "sgd momentum" if sgd else "none",
+                    "touched": int(len(table)),
+                    "dim": dim,
+                    "bytes": table.nbytes,
+                    "bytes_per_row": table.nbytes / len(table),
+                    "insert_rows_per_s": len(table) / (time.perf_counter() - t0),
+                }
+            )
+    return rows
+
+
+def run_mxnet(args) -> list[dict]:
+    cmd = [
+        args.mxnet,
+        str(ANCHOR),
+        "-W",
+        str(args.workers),
+        "-S",
+        str(args.servers),
+        "--sizes",
+        "",
+        "--row-sparse",
+        args.anchor,
+        "--row-sparse-steps",
+        str(args.anchor_steps),
+        "--repeats",
+        str(args.anchor_repeats),
+        "--timeout",
+        str(args.timeout),
+    ]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, _ = job.communicate(timeout=args.timeout + 60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)  # its own session: its whole job, by PID
+            job.wait(10)
+    if job.returncode:
+        raise SystemExit(f"the MXNet job failed ({job.returncode}): {' '.join(cmd)}\n{out}")
+    for rec in (json.loads(x) for x in out.splitlines() if x.startswith("{")):
+        if rec.get("bench") == "mxnet_ps" and rec.get("case") == "row_sparse":
+            return [
+                {
+                    "op": "anchor",
+                    "config": "mxnet",
+                    "size": args.anchor,
+                    **{k: rec[k] for k in ("median", "min", "max")},
+                    "runs": rec["runs"],
+                }
+            ]
+    raise SystemExit(f"the MXNet job printed no row_sparse result:\n{out}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("-w", "--workers", type=int, default=2)
+    ap.add_argument("-s", "--servers", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=10**9, help="logical rows of each table")
+    ap.add_argument("--dims", default="16,64,256")
+    ap.add_argument("--reqs", default="1K,4K,64K", help="rows per request")
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
+    ap.add_argument("--anchor", default="100000x64x4096", help="ROWSxDIMxREQ")
+    ap.add_argument("--run-anchor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--anchor-steps", type=int, default=50)
+    ap.add_argument("--anchor-repeats", type=int, default=3)
+    ap.add_argument("--mxnet", default="", help="a Python with MXNet 1.9.1: run its anchor too")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args(argv)
+    if args.as_worker:
+        return worker_main(args)
+    results = run_cluster(args) + zmq_rows(args)
+    if args.mxnet:  # back to back: MXNet, then kvstore's same step
+        results += run_mxnet(args)
+        results += run_cluster(args, anchor=args.anchor)
+    if not args.no_memory:
+        results += memory_rows()
+    for r in results:
+        print(json.dumps(r), flush=True)
+    print(table(results, args))
+    return 0
+
+
+def table(results: list[dict], args) -> str:
+    lines = [
+        f"row-sparse, W={args.workers} S={args.servers} dist_sync (rows/s per worker; "
+        "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq: one round "
+        "trip of those bytes)",
+        "",
+    ]
+    lines.append(
+        f"{'dim':>4} {'rows/req':>8} {'push':>11} {'pull':>11} {'push+pull':>11} "
+        f"{'pushpull':>11} {'B/s':>9} {'zmq B/s':>9} {'vs zmq':>7}"
+    )
+    ours = {(r["op"], r["dim"], r["req"]): r for r in results if r.get("config") == "kvstore"}
+    bound = {(r["dim"], r["req"]): r for r in results if r.get("config") == "zmq"}
+    for (op, dim, req), r in ours.items():
+        if op != "step":
+            continue
+        z = bound.get((dim, req))
+        best = max(r["median"], ours[("pushpull", dim, req)]["median"])
+        nbytes = best * dim * 4
+        zbytes = z["median"] * dim * 4 if z else float("nan")
+        lines.append(
+            f"{dim:>4} {req:>8} {ours[('push', dim, req)]['median']:>11,.0f} "
+            f"{ours[('pull', dim, req)]['median']:>11,.0f} {r['median']:>11,.0f} "
+            f"{ours[('pushpull', dim, req)]['median']:>11,.0f} "
+            f"{nbytes / 1e6:>7.1f}MB {zbytes / 1e6:>7.1f}MB {nbytes / zbytes:>7.0%}"
+        )
+    mx = [r for r in results if r.get("config") == "mxnet"]
+    for op in ("anchor", "anchor pushpull"):
+        anchor = [r for r in results if r.get("op") == op and r.get("config") == "kvstore"]
+        if mx and anchor:
+            call = "push + row_sparse_pull" if op == "anchor" else "pushpull"
+            lines += [
+                f"anchor {args.anchor} ({call}): kvstore {anchor[0]['median']:,.0f} "
+                f"rows/s, MXNet (push + row_sparse_pull) {mx[0]['median']:,.0f} rows/s: "
+                f"{anchor[0]['median'] / mx[0]['median']:.2f}x"
+            ]
+    mem = [r for r in results if r.get("config") == "memory"]
+    if mem:
+        lines += ["", "memory of one row store (10^9-row table, dim 64):"]
+        for r in mem:
+            lines.append(
+                f"  {r['optimizer']:>12}: {r['touched']:>9,} rows  "
+                f"{r['bytes'] / 2**20:8.1f} MiB  ({r['bytes_per_row']:.0f} B/row; "
+                f"created at {r['insert_rows_per_s']:,.0f} rows/s)"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,900 @@
+"""Row-sparse values and the servers' row store, without I/O.
+
+An embedding table of 10^9 rows never exists in full: a row-sparse key stores only the rows
+that were pushed, and a push or a pull carries only the rows it names.
+
+- :class:`RowSparse` is the value a worker pushes and pulls: ``indices`` (int64 row ids),
+  ``data`` (one row per id) and the table's logical ``shape``.
+- An initializer spec (:func:`zeros`, :func:`constant`, :func:`uniform`, :func:`normal`) gives
+  every row its first value; the random ones hash ``(seed, row id, column)`` (a counter-based
+  generator), so a row gets the same first value on any server, whenever it is created.
+- :class:`RowTable` is one server's share of a key: a sorted id index (``np.searchsorted``)
+  into a growable 2-D block, the optimizer's state in blocks of the same rows, and the step at
+  which each row last changed (:meth:`RowTable.changed_since`). Every operation is vectorised.
+- :func:`kvstore.sharding.row_server` spreads the rows of a key over the servers by id.
+
+>>> import numpy as np
+>>> g = RowSparse([3, 1, 3], np.ones((3, 2), np.float32), shape=(10, 2))
+>>> c = g.canonical(); c.indices.tolist(), c.data[:, 0].tolist()
+([1, 3], [1.0, 2.0])
+>>> t = RowTable(2, np.float32, uniform(-1, 1, seed=7))
+>>> t.apply(c.indices, c.data)  # no optimizer: the touched rows become the round's sum
+>>> t.read(np.array([3]))[0].tolist(), len(t)
+([2.0, 2.0], 2)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from .arrays import to_host
+
+_FLOAT_KINDS = "fc"
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_CHUNK = 1 << 20  # elements per initializer chunk: bounded temporaries for big creations
+
+
+# ---------------------------------------------------------------- the value
+
+
+class RowSparse:
+    """Rows ``indices`` of a ``shape = (rows, dim)`` table; ``data[i]`` is row ``indices[i]``.
+
+    Ids need not be sorted or unique (duplicates are summed when pushed); every id must be in
+    ``[0, rows)``. ``init`` (for :meth:`KVStore.init`) says how rows never pushed start.
+
+    >>> v = RowSparse([0, 5], np.ones((2, 4), np.float32), shape=(10**9, 4))
+    >>> v.dtype, v.nnz
+    (dtype('float32'), 2)
+    """
+
+    __slots__ = ("indices", "data", "shape", "init")
+
+    def __init__(self, indices, data, shape, init=None):
+        if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+            raise ValueError(f"RowSparse: shape must be (rows, dim), got {shape!r}")
+        rows, dim = (int(s) for s in shape)
+        if rows < 0 or dim < 0:
+            raise ValueError(f"RowSparse: shape must be non-negative, got {shape!r}")
+        ids = np.asarray(to_host(indices))
+        if ids.size == 0:
+            ids = ids.astype(np.int64).reshape(0)
+        if ids.ndim != 1:
+            raise ValueError(f"RowSparse: indices must be 1-D, got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            if ids.dtype.kind == "f" and np.all(ids == np.floor(ids)):  # MXNet passes floats
+                ids = ids.astype(np.int64)
+            else:
+                raise TypeError(f"RowSparse: indices must be integers, got {ids.dtype}")
+        block = np.asarray(to_host(data))
+        if block.ndim == 1 and block.size == 0:
+            block = block.reshape(0, dim)
+        if block.ndim != 2 or block.shape != (ids.size, dim):
+            raise ValueError(
+                f"RowSparse: data must be {ids.size} rows x {dim} (one row per index), "
+                f"got shape {block.shape}"
+            )
+        if block.dtype.kind not in "biufc":
+            raise TypeError(f"RowSparse: data dtype {block.dtype} is not a number type")
+        if ids.size:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= rows:
+                bad = low if low < 0 else high
+                raise ValueError(f"RowSparse: row id {bad} is outside [0, {rows})")
+        self.indices = ids.astype(np.int64, copy=False)
+        self.data = block
+        self.shape = (rows, dim)
+        self.init = check_init(init) if init is not None else None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def nnz(self) -> int:
+        """The number of rows held (with duplicates)."""
+        return int(self.indices.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.indices.nbytes + self.data.nbytes)
+
+    def __repr__(self) -> str:
+        return f"RowSparse({self.nnz} rows of {self.shape}, {self.dtype})"
+
+    # ---- constructors
+    @classmethod
+    def empty(
+        cls, shape, dtype=np.float32, init=None, admit_after: int = 1, evict_after: int = 0
+    ) -> RowSparse:
+        """No rows: ``kv.init(key, RowSparse.empty((10**9, 64), init=uniform(-0.1, 0.1)))``
+        declares a table whose rows are created when first pushed.
+
+        ``admit_after=k``: a row is stored only from the k-th round that pushes it (the
+        pushes before are dropped; reads give its initial value): rare ids cost nothing.
+        ``evict_after=T``: a row no round has changed for T rounds is dropped (its next read
+        gives its initial value again; checked every T/2 rounds)."""
+        dim = int(shape[1]) if isinstance(shape, (tuple, list)) and len(shape) == 2 else 0
+        spec = check_init(init)
+        if admit_after != 1 or evict_after:
+            spec = check_init({**spec, "admit_after": admit_after, "evict_after": evict_after})
+        return cls(np.empty(0, np.int64), np.empty((0, dim), dtype), shape, spec)
+
+    @classmethod
+    def from_dense(cls, array, init=None) -> RowSparse:
+        """The rows of a 2-D array that hold a non-zero (MXNet's ``tostype('row_sparse')``)."""
+        array = np.asarray(to_host(array))
+        if array.ndim != 2:
+            raise ValueError(f"RowSparse.from_dense: expected a 2-D array, got {array.shape}")
+        ids = np.flatnonzero(array.any(axis=1))
+        return cls(ids, array[ids], array.shape, init)
+
+    @classmethod
+    def from_scipy(cls, matrix) -> RowSparse:
+        """A SciPy sparse matrix (any format; duplicate entries are summed)."""
+        coo = matrix.tocoo()
+        return _from_coo(coo.row, coo.col, coo.data, coo.shape)
+
+    @classmethod
+    def from_torch(cls, tensor) -> RowSparse:
+        """A ``torch.sparse_coo_tensor``, as ``nn.Embedding(sparse=True)`` makes its weight's
+        gradient (one sparse dimension: row ids, and dense rows); duplicates are summed."""
+        t = tensor.detach().coalesce()
+        if t.sparse_dim() == 1 and t.dense_dim() == 1:
+            ids = t.indices()[0].cpu().numpy()
+            return cls(ids, t.values().cpu().numpy(), tuple(t.shape))
+        if t.sparse_dim() == 2 and t.dense_dim() == 0:
+            rows, cols = t.indices().cpu().numpy()
+            return _from_coo(rows, cols, t.values().cpu().numpy(), tuple(t.shape))
+        raise ValueError(
+            f"RowSparse.from_torch: expected a 2-D sparse COO tensor, got {t.sparse_dim()} "
+            f"sparse and {t.dense_dim()} dense dimensions"
+        )
+
+    # ---- forms
+    def canonical(self) -> RowSparse:
+        """The same rows with ids sorted and unique (duplicates summed, in order)."""
+        ids = self.indices
+        if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):
+            return self
+        order = np.argsort(ids, kind="stable")
+        ids, data = ids[order], self.data[order]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        return RowSparse(ids[starts], np.add.reduceat(data, starts, axis=0), self.shape)
+
+    def to_dense(self) -> np.ndarray:
+        """The full table (small tables only), absent rows 0."""
+        out = np.zeros(self.shape, self.dtype)
+        c = self.canonical()
+        out[c.indices] = c.data
+        return out
+
+
+def _from_coo(rows, cols, values, shape) -> RowSparse:
+    rows = np.asarray(rows, np.int64)
+    ids, inverse = np.unique(rows, return_inverse=True)
+    data = np.zeros((ids.size, int(shape[1])), np.asarray(values).dtype)
+    np.add.at(data, (inverse, np.asarray(cols, np.int64)), values)
+    return RowSparse(ids, data, shape)
+
+
+def _increasing(ids: np.ndarray) -> bool:
+    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
+def _unique(ids: np.ndarray) -> np.ndarray:
+    """``np.unique``, at once for ids already sorted and unique (the common case)."""
+    return ids if _increasing(ids) else np.unique(ids)
+
+
+def sum_rows(values: list, shape, dtype) -> RowSparse:
+    """The sum of several pushes of a key (devices, or workers in rank order), canonical."""
+    values = [v for v in values if v.nnz]
+    if not values:
+        return RowSparse(np.empty(0, np.int64), np.empty((0, shape[1]), dtype), shape)
+    if len(values) == 1:
+        v = values[0]
+        return RowSparse(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
+    if all(_increasing(v.indices) for v in values):
+        # each push canonical (the servers' case): add each into the union's rows, in order;
+        # no sort of the rows themselves (0 + a + b is a + b: the same sum as below)
+        # sorted runs: a stable sort merges them in linear time; then drop the repeats
+        union = np.sort(np.concatenate([v.indices for v in values]), kind="stable")
+        union = union[np.r_[True, union[1:] != union[:-1]]]
+        total = np.zeros((union.size, shape[1]), dtype)
+        for v in values:
+            total[np.searchsorted(union, v.indices)] += v.data
+        return RowSparse(union, total, shape)
+    ids = np.concatenate([v.indices for v in values])
+    data = np.concatenate([v.data.astype(dtype, copy=False) for v in values])
+    return RowSparse(ids, data, shape).canonical()
+
+
+# ---------------------------------------------------------------- initializers
+
+
+def zeros() -> dict:
+    """Rows start at 0 (the default)."""
+    return {"kind": "zeros"}
+
+
+def constant(value: float) -> dict:
+    return {"kind": "constant", "value": float(value)}
+
+
+def uniform(low: float = -0.07, high: float = 0.07, seed: int = 0) -> dict:
+    """Uniform in ``[low, high)``; the same row gets the same values for the same seed."""
+    return {"kind": "uniform", "low": float(low), "high": float(high), "seed": int(seed)}
+
+
+def normal(mean: float = 0.0, std: float = 0.01, seed: int = 0) -> dict:
+    """Normal(mean, std); the same row gets the same values for the same seed."""
+    return {"kind": "normal", "mean": float(mean), "std": float(std), "seed": int(seed)}
+
+
+_INIT_FIELDS = {
+    "zeros": {},
+    "constant": {"value": (int, float)},
+    "uniform": {"low": (int, float), "high": (int, float), "seed": (int,)},
+    "normal": {"mean": (int, float), "std": (int, float), "seed": (int,)},
+}
+
+
+def check_init(spec) -> dict:
+    """A valid initializer spec (a dict from :func:`uniform` and the like, or its kind's
+    name for the defaults), or a ``ValueError`` saying what is expected."""
+    if spec is None:
+        return zeros()
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+        defaults = {"constant": constant(0), "uniform": uniform(), "normal": normal()}
+        spec = defaults.get(spec["kind"], spec)
+    if not isinstance(spec, dict) or spec.get("kind") not in _INIT_FIELDS:
+        raise ValueError(
+            f"row initializer {spec!r}: expected kvstore.sparse.zeros(), constant(v), "
+            "uniform(low, high, seed) or normal(mean, std, seed)"
+        )
+    for name, types in _INIT_FIELDS[spec["kind"]].items():
+        value = spec.get(name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ValueError(f"row initializer {spec!r}: {name!r} must be a number")
+    if spec["kind"] == "uniform" and not spec["low"] <= spec["high"]:
+        raise ValueError(f"row initializer {spec!r}: low must be <= high")
+    if spec["kind"] == "normal" and spec["std"] < 0:
+        raise ValueError(f"row initializer {spec!r}: std must be >= 0")
+    if spec["kind"] in ("uniform", "normal") and not 0 <= spec["seed"] < 2**64:
+        raise ValueError(f"row initializer {spec!r}: seed must be in [0, 2**64)")
+    checked = {"kind": spec["kind"], **{k: spec[k] for k in _INIT_FIELDS[spec["kind"]]}}
+    for rule, low in (("admit_after", 1), ("evict_after", 0)):  # row admission and eviction
+        if rule in spec:
+            value = spec[rule]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+                raise ValueError(f"{rule} must be an int in [{low}, 2**31), got {value!r}")
+            checked[rule] = value
+    return checked
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _unit(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
+    """Uniform [0, 1) float64 of shape (len(ids), dim): a hash of (seed, id, column, stream)."""
+    with np.errstate(over="ignore"):
+        row = _mix(ids.astype(np.uint64) ^ _mix(np.array([seed], np.uint64)))
+        cols = np.arange(dim, dtype=np.uint64) * np.uint64(2) + np.uint64(stream)
+        bits = _mix(row[:, None] + (cols[None, :] + np.uint64(1)) * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def init_rows(spec: dict, ids: np.ndarray, dim: int, dtype, out: np.ndarray | None = None):
+    """The first values of rows ``ids`` (into ``out`` when given), in chunks of bounded size."""
+    out = np.empty((ids.size, dim), dtype) if out is None else out
+    kind = spec["kind"]
+    if kind == "zeros" or ids.size == 0:
+        out[...] = 0
+        return out
+    if kind == "constant":
+        out[...] = spec["value"]
+        return out
+    step = max(1, _CHUNK // max(dim, 1))
+    for lo in range(0, ids.size, step):
+        part = ids[lo : lo + step]
+        u = _unit(spec["seed"], part, dim, 0)
+        if kind == "uniform":
+            out[lo : lo + step] = spec["low"] + (spec["high"] - spec["low"]) * u
+        else:  # Box-Muller with a second stream
+            v = _unit(spec["seed"], part, dim, 1)
+            z = np.sqrt(-2.0 * np.log1p(-u)) * np.cos(2 * math.pi * v)
+            out[lo : lo + step] = spec["mean"] + spec["std"] * z
+    return out
+
+
+# ---------------------------------------------------------------- the row store
+
+
+class RowTable:
+    """One server's rows of one key: ``ids`` (sorted) -> ``slots`` into ``block``.
+
+    A row is created when first pushed (:meth:`apply`, :meth:`assign`), from the initializer;
+    a read of an absent row returns its initial value without storing it. ``states`` hold the
+    optimizer's state, row for row with ``block``; ``changed[slot]`` is the step (rounds
+    applied) at which a row last changed.
+    """
+
+    def __init__(self, dim: int, dtype, init: dict | None = None, rows: int = 2**63 - 1):
+        self.dim, self.dtype, self.rows = int(dim), np.dtype(dtype), int(rows)
+        self.init = check_init(init)
+        # int32 slots and steps: a server holds fewer than 2**31 rows of a key (that would
+        # be 512 GiB at dim 64), and 10^6 rows of dim 64 with a state fit in 512 MiB
+        self.ids = np.empty(0, np.int64)  # sorted
+        self.slots = np.empty(0, np.int32)  # slot of ids[i]
+        self.block = np.empty((0, self.dim), self.dtype)
+        self.changed = np.empty(0, np.int32)
+        self.states: tuple = ()  # optimizer state blocks, shaped like block
+        self.state_of = None  # the optimizer the states belong to
+        self.count = 0  # rows stored
+        self.step = 0  # rounds applied
+        self.admit_after = self.init.get("admit_after", 1)
+        self.evict_after = self.init.get("evict_after", 0)
+        self.cand_ids = np.empty(0, np.int64)  # rows pushed, not yet admitted (sorted)
+        self.cand_counts = np.empty(0, np.int32)  # rounds that pushed each
+        self.trimmed_bytes = 0  # nbytes when the server last trimmed its heap
+        # the last round's pushes: id(ids) -> (ids, their slots), so the replies of a
+        # pushpull gather their rows without a second lookup (the ids object is kept, so its
+        # id cannot be another array's)
+        self.recent: dict = {}
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the block, the states, the index (capacity, not only rows used)."""
+        arrays = (self.ids, self.slots, self.block, self.changed, *self.states)
+        arrays += (self.cand_ids, self.cand_counts)
+        return sum(a.nbytes for a in arrays)
+
+    # ---- lookup
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found mask, slot per id; -1 where absent) for any ids."""
+        n = self.ids.size
+        if n == 0:
+            return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32)
+        pos = np.searchsorted(self.ids, ids)
+        found = self.ids.take(pos, mode="clip") == ids  # past the end: clipped, not equal
+        if found.all():  # every row present: the common case, one pass less
+            return found, self.slots[pos]
+        return found, np.where(found, self.slots.take(pos, mode="clip"), -1)
+
+    def slots_of(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of sorted unique ``ids``, creating the absent rows."""
+        found, slots = self.find(ids)
+        if found.all():
+            return slots
+        new = ids[~found]
+        first = self.count
+        self._grow(first + new.size)
+        made = np.arange(first, first + new.size, dtype=np.int32)
+        init_rows(self.init, new, self.dim, self.dtype, out=self.block[first : first + new.size])
+        self.changed[made] = self.step
+        if self.state_of is not None:
+            fresh = self.state_of.create_state(self.block[made])
+            for state, value in zip(self.states, fresh, strict=True):
+                state[made] = value
+        self.count += new.size
+        at = np.searchsorted(self.ids, new)
+        self.ids = np.insert(self.ids, at, new)
+        self.slots = np.insert(self.slots, at, made)
+        slots[~found] = made
+        return slots
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` rows. The arrays grow in place (``realloc``: for a big block,
+        glibc's ``mremap`` moves pages rather than copying them), so the slack can be small:
+        memory follows the rows stored within 1/64."""
+        capacity = self.block.shape[0]
+        if need <= capacity:
+            return
+        if need >= 2**31:
+            raise ValueError(f"a server holds at most 2**31 - 1 rows of a key; {need} asked")
+        capacity = min(max(need, capacity + capacity // 64, 256), 2**31 - 1)
+
+        def grown(a):
+            try:  # no view of these arrays outlives a call of this class: resize is safe
+                a.resize((capacity, *a.shape[1:]), refcheck=False)
+                return a
+            except ValueError:  # not its own memory: copy
+                b = np.empty((capacity, *a.shape[1:]), a.dtype)
+                b[: self.count] = a[: self.count]
+                return b
+
+        self.block = grown(self.block)
+        self.changed = grown(self.changed)
+        self.states = tuple(grown(s) for s in self.states)
+
+    # ---- reads
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array."""
+        found, slots = self.find(ids)
+        out = self.block[np.where(found, slots, 0)] if self.count else None
+        if found.all() and out is not None:
+            return out
+        if out is None:
+            out = np.empty((ids.size, self.dim), self.dtype)
+        missing = ~found
+        out[missing] = init_rows(self.init, ids[missing], self.dim, self.dtype)
+        return out
+
+    def pushed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """:meth:`read` of the ids of a push of the round just applied, without a lookup."""
+        hit = self.recent.get(id(ids))
+        if hit is not None and hit[0] is ids:
+            return self.block[hit[1]]
+        return self.read(ids)
+
+    def changed_since(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted."""
+        keep = self.changed[self.slots] > step
+        return self.ids[keep], self.block[self.slots[keep]]
+
+    # ---- writes
+    def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Set rows (an init or a load), sorted unique ids; their step becomes the current."""
+        slots = self.slots_of(ids)
+        self.block[slots] = rows
+        self.changed[slots] = self.step
+
+    def assign_sums(self, pushes: list) -> None:
+        """A round without an optimizer from its pushes ``[(ids, rows)]`` (each sorted and
+        unique, in rank order): the touched rows become their sum."""
+        self._next_step()
+        slots = [self.slots_of(ids) for ids, _ in pushes]
+        if len(pushes) == 1:
+            self.block[slots[0]] = pushes[0][1]
+        else:
+            for where in slots:
+                self.block[where] = 0
+            for where, (_, rows) in zip(slots, pushes, strict=True):
+                self.block[where] += rows
+        for where in slots:
+            self.changed[where] = self.step
+        self.recent = {id(ids): (ids, where) for (ids, _), where in zip(pushes, slots, strict=True)}
+
+    def _next_step(self) -> None:
+        self.recent = {}
+        self.step += 1
+        if self.evict_after and self.step % max(1, self.evict_after // 2) == 0:
+            self._evict(self.step - 1 - self.evict_after)  # first: a row evicted now re-enters
+
+    def apply(self, ids, rows, optimizer=None, t: int = 1, lr: float = 0.0, accumulate=False):
+        """One round's sum (sorted unique ``ids``, ``rows``): without ``optimizer`` the rows
+        become the sum (``accumulate``: are added to, an async push); with one, its update at
+        count ``t`` and rate ``lr``: lazily on the touched rows, or on every stored row when
+        the optimizer's ``lazy_update`` is False (as MXNet's ``lazy_update=False``). Returns
+        the slots of ``ids`` (None when admission dropped some)."""
+        self._next_step()
+        if self.admit_after > 1:
+            ids, rows = self._admit(ids, rows)
+        slots = self.slots_of(ids)
+        done = slots if self.admit_after == 1 else None
+        if optimizer is None:
+            if accumulate:
+                self.block[slots] += rows
+            else:
+                self.block[slots] = rows
+            self.changed[slots] = self.step
+            return done
+        self._states_for(optimizer)
+        if getattr(optimizer, "lazy_update", True):
+            weight = self.block[slots]
+            states = tuple(s[slots] for s in self.states)
+            optimizer.update(weight, rows.astype(self.dtype, copy=False), states, lr, t)
+            self.block[slots] = weight
+            for stored, state in zip(self.states, states, strict=True):
+                stored[slots] = state
+            self.changed[slots] = self.step
+            return done
+        n = self.count
+        grad = np.zeros((n, self.dim), self.dtype)
+        grad[slots] = rows
+        optimizer.update(self.block[:n], grad, tuple(s[:n] for s in self.states), lr, t)
+        self.changed[:n] = self.step
+        return done
+
+    def _admit(self, ids: np.ndarray, rows: np.ndarray):
+        """The ids (and rows) of this round that are stored or admitted now; the others
+        count one more round as candidates."""
+        found, _ = self.find(ids)
+        if found.all():
+            return ids, rows
+        new = ids[~found]
+        pos = np.searchsorted(self.cand_ids, new)
+        if self.cand_ids.size:
+            known = self.cand_ids.take(pos, mode="clip") == new
+        else:
+            known = np.zeros(new.size, bool)
+        counts = np.ones(new.size, np.int32)
+        counts[known] += self.cand_counts[pos[known]]
+        admitted = counts >= self.admit_after
+        self.cand_counts[pos[known & ~admitted]] = counts[known & ~admitted]
+        fresh = ~known & ~admitted
+        gone = pos[known & admitted]  # admitted candidates leave the list
+        cand_ids = np.insert(self.cand_ids, pos[fresh], new[fresh])
+        cand_counts = np.insert(self.cand_counts, pos[fresh], counts[fresh])
+        gone = gone + np.searchsorted(pos[fresh], gone, side="right")
+        self.cand_ids, self.cand_counts = np.delete(cand_ids, gone), np.delete(cand_counts, gone)
+        keep = found.copy()
+        keep[~found] = admitted
+        return ids[keep], rows[keep]
+
+    def _evict(self, limit: int) -> None:
+        """Drop the rows last changed at step ``limit`` or before; the others are compacted
+        to the front of the blocks, in id order."""
+        live = self.changed[self.slots] > limit
+        if live.all():
+            return
+        kept = self.slots[live]
+        m = kept.size
+        self.block[:m] = self.block[kept]
+        self.changed[:m] = self.changed[kept]
+        for state in self.states:
+            state[:m] = state[kept]
+        self.ids = self.ids[live]
+        self.slots = np.arange(m, dtype=np.int32)
+        self.count = m
+
+    def _states_for(self, optimizer) -> None:
+        if self.state_of is optimizer:
+            return
+        check_optimizer(optimizer, self.dtype)
+        capacity = self.block.shape[0]
+        fresh = optimizer.create_state(self.block[: self.count])
+        self.states = tuple(
+            np.empty((capacity, *np.shape(s)[1:]), np.asarray(s).dtype) for s in fresh
+        )
+        for stored, value in zip(self.states, fresh, strict=True):
+            stored[: self.count] = value
+        self.state_of = optimizer
+
+
+def check_optimizer(optimizer, dtype) -> None:
+    """A ``ValueError`` saying what to do when ``optimizer`` cannot update row-sparse rows of
+    ``dtype``: LAMB (norms over the whole key), fp16 with ``multi_precision``."""
+    if getattr(optimizer, "multi_precision", False) and np.dtype(dtype) == np.float16:
+        raise ValueError(
+            "multi_precision is not supported on row-sparse keys: store the table in "
+            "float32, or set multi_precision=False"
+        )
+    if optimizer.name == "lamb":
+        raise ValueError(
+            "LAMB's update takes norms over the whole key; it has no lazy row-sparse "
+            "form: use SGD, Adam, AdaGrad (or another row-wise optimizer) for this key"
+        )
+
+
+# ---------------------------------------------------------------- rounds of a server's keys
+
+
+class SparseKeys:
+    """A server's row-sparse keys: their tables and the pushes each round still sums.
+
+    :class:`kvstore.rounds.Rounds` decides when a round completes (it is fed an empty array
+    per push, so its join/finish/deadline rules hold unchanged); this holds the rows: a push
+    is kept under its round number (``add``), and the round's :class:`~kvstore.rounds.Apply`
+    sums them in rank order and updates the table (``apply``).
+    """
+
+    def __init__(self):
+        self.tables: dict = {}  # (key, part) -> RowTable
+        self.pending: dict = defaultdict(dict)  # (key, part) -> {round: [(rank, ids, rows)]}
+        self.arrivals: dict = defaultdict(list)  # (key, part) -> async pushes, in order
+        self.placeholders: dict = {}  # dtype -> the empty array Rounds sums
+
+    def add_key(self, where, rows: int, dim: int, dtype, init) -> RowTable:
+        table = self.tables[where] = RowTable(dim, dtype, init, rows)
+        return table
+
+    def grown(self, table: RowTable) -> bool:
+        """Whether ``table`` grew by an eighth (and 8 MiB) since this last said so: time to
+        give the heap's free pages back (``kvstore.memory.trim``)."""
+        total = table.nbytes
+        if total < table.trimmed_bytes * 9 // 8 + (8 << 20):
+            return False
+        table.trimmed_bytes = total
+        return True
+
+    def placeholder(self, dtype) -> np.ndarray:
+        found = self.placeholders.get(dtype)
+        if found is None:
+            found = self.placeholders[dtype] = np.empty(0, dtype)
+        return found
+
+    def add(self, where, round_: int, rank: int, ids, rows, sync: bool) -> None:
+        if sync:
+            self.pending[where].setdefault(round_, []).append((rank, ids, rows))
+        else:
+            self.arrivals[where].append((ids, rows))
+
+    def apply(self, where, accumulate: bool, optimizer=None, t: int = 1, lr: float = 0.0):
+        """Apply the round now complete (with ``accumulate``: the next async push): the
+        pushes summed in rank order, then :meth:`RowTable.apply`. Without an optimizer (and
+        admission) each push is added straight into the table's rows, no sum array between:
+        ``0 + a + b``, the same bits as the sum."""
+        table = self.tables[where]
+        if accumulate:
+            ids, rows = self.arrivals[where].pop(0)
+            table.apply(ids, rows, optimizer, t, lr, accumulate=True)
+            return
+        pushes = self.pending[where].pop(table.step, [])
+        pushes.sort(key=lambda p: p[0])
+        if optimizer is None and table.admit_after == 1:
+            table.assign_sums([(i, r) for _, i, r in pushes])
+            return
+        shape = (table.rows, table.dim)
+        total = sum_rows([RowSparse(i, r, shape) for _, i, r in pushes], shape, table.dtype)
+        slots = table.apply(total.indices, total.data, optimizer, t, lr)
+        if slots is not None:
+            table.recent = {
+                id(i): (i, slots[np.searchsorted(total.indices, i)]) for _, i, _ in pushes
+            }
+
+
+def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:
+    """Positions into ``ids`` of the rows each server holds (each in the order of ``ids``)."""
+    from .sharding import row_server
+
+    if num_server == 1:
+        return [np.arange(ids.size)]
+    where = row_server(ids, num_server)
+    order = np.argsort(where, kind="stable")
+    bounds = np.searchsorted(where[order], np.arange(num_server + 1))
+    return [order[bounds[s] : bounds[s + 1]] for s in range(num_server)]
+
+
+def check_ids(what: str, key, ids, rows: int) -> np.ndarray:
+    """Row ids given by a user (any int array-like, CuPy too), as int64; a ``ValueError`` or
+    ``TypeError`` naming the key when they are not ints in ``[0, rows)``."""
+    ids = np.asarray(to_host(ids))
+    if ids.size == 0:
+        return np.empty(0, np.int64)
+    ids = ids.reshape(-1)
+    if ids.dtype.kind not in "iu":
+        if ids.dtype.kind != "f" or not np.all(ids == np.floor(ids)):
+            raise TypeError(f"{what}(key={key!r}): row ids must be integers, got {ids.dtype}")
+    low, high = ids.min(), ids.max()
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise ValueError(f"{what}(key={key!r}): row id {int(bad)} is outside [0, {rows})")
+    return ids.astype(np.int64, copy=False)
+
+
+def write_rows(out, ids: np.ndarray, rows_of) -> None:
+    """Fill ``out`` with the rows ``ids``: a :class:`RowSparse` gets the unique sorted ids and
+    their rows, a dense array of the table's shape those rows and 0 elsewhere. ``rows_of(u)``
+    gives the rows of sorted unique ids ``u``."""
+    unique = _unique(ids)
+    rows = rows_of(unique)
+    if isinstance(out, RowSparse):
+        out.indices, out.data = unique, rows.astype(out.data.dtype, copy=False)
+        return
+    from .arrays import namespace
+
+    xp = namespace(out)
+    out[...] = 0
+    if unique.size:
+        out[xp.asarray(unique)] = xp.asarray(rows.astype(out.dtype, copy=False))
+
+
+# ---------------------------------------------------------------- the worker's messages
+
+
+def plan_init(items, num_server: int) -> list:
+    """``sparse_init`` per server: every server holds a part (its rows) of every key."""
+    from .plan import Outgoing
+
+    legs: list = [([], [], []) for _ in range(num_server)]
+    for item in items:
+        v = item.value
+        meta = [v.shape[0], v.shape[1], v.dtype.str, v.init or zeros()]
+        for server, pos in enumerate(split_by_server(v.indices, num_server)):
+            keys, metas, arrays = legs[server]
+            keys.append((item.key, server))
+            metas.append(meta)
+            arrays += [v.indices[pos], np.ascontiguousarray(v.data[pos])]
+    return [
+        Outgoing(s, "sparse_init", tuple(k), [list(x) for x in k], {"meta": m}, tuple(a))
+        for s, (k, m, a) in enumerate(legs)
+    ]
+
+
+def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None):
+    """``sparse_push`` per server, with every key: a server with none of a key's rows gets an
+    empty set, so that its round of the key completes (it counts this worker's push). With
+    ``pulls`` (a pushpull), each server answers with its rows once the round is applied, and
+    a :class:`RowCollector` for them comes back too."""
+    from .plan import Outgoing
+
+    if pulls is not None:
+        wanted = []
+        for item, pull in zip(items, pulls, strict=True):
+            unique = item.value.indices
+            wanted.append((pull, unique, split_by_server(unique, num_server)))
+        collector = RowCollector(wanted, metas)
+        out = plan_push(items, num_server, sync)
+        return [o._replace(body={**o.body, "pull": True}) for o in out], collector
+
+    legs: list = [([], []) for _ in range(num_server)]
+    for item in items:
+        v = item.value
+        for server, pos in enumerate(split_by_server(v.indices, num_server)):
+            keys, arrays = legs[server]
+            keys.append((item.key, server))
+            if num_server == 1:
+                arrays += [v.indices, np.ascontiguousarray(v.data)]
+            else:
+                arrays += [v.indices[pos], v.data[pos]]
+    body = {"sync": sync}
+    return [
+        Outgoing(s, "sparse_push", tuple(k), [list(x) for x in k], body, tuple(a))
+        for s, (k, a) in enumerate(legs)
+    ]
+
+
+def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
+    """``sparse_pull`` to the servers holding rows wanted (the ids of every output of a key
+    asked once), and the :class:`RowCollector` that writes the replies."""
+    from .plan import Outgoing
+
+    legs: list = [([], []) for _ in range(num_server)]
+    wanted = []
+    for item in items:
+        if len(item.ids) == 1:
+            unique = _unique(item.ids[0])
+        else:
+            unique = np.unique(np.concatenate(item.ids)) if item.ids else np.empty(0, np.int64)
+        splits = split_by_server(unique, num_server)
+        wanted.append((item, unique, splits))
+        for server, pos in enumerate(splits):
+            if pos.size:
+                keys, arrays = legs[server]
+                keys.append((item.key, server))
+                arrays.append(unique[pos])
+    collector = RowCollector(wanted, metas)
+    out = [
+        Outgoing(s, "sparse_pull", tuple(k), [list(x) for x in k], {}, tuple(a))
+        for s, (k, a) in enumerate(legs)
+        if k
+    ]
+    return out, collector
+
+
+class RowCollector:
+    """The outputs of one ``row_sparse_pull`` and the reply parts it still waits for; the same
+    contract as :class:`kvstore.plan.Collector` (``expect``, ``receive``, ``cancel``,
+    ``finish``): nothing is written into the caller's outputs before ``finish``."""
+
+    def __init__(self, wanted: list, metas: dict):
+        self.cancelled = False
+        self.reason = ""
+        self._wanted = wanted
+        self._blocks: dict = {}
+        self._positions: dict = {}
+        for item, unique, splits in wanted:
+            meta = metas[item.key]
+            self._blocks[item.key] = np.empty((unique.size, meta.shape[1]), meta.dtype)
+            for server, pos in enumerate(splits):
+                self._positions[(item.key, server)] = pos
+        self._expected: dict = {}
+
+    def expect(self, request: int, keys: tuple) -> None:
+        self._expected[request] = keys
+
+    def receive(self, request: int, keys, arrays) -> None:
+        from .plan import ReplyError
+
+        asked = self._expected.pop(request, None)
+        if asked is None or self.cancelled:
+            return
+        if len(keys) != len(asked) or len(arrays) != len(asked):
+            self.cancel()
+            raise ReplyError(f"the reply holds {len(keys)} keys, expected {len(asked)}")
+        for where, got, rows in zip(asked, keys, arrays, strict=True):
+            block = self._blocks[where[0]]
+            pos = self._positions[where]
+            if list(got) != list(where) or rows.shape != (pos.size, block.shape[1]):
+                self.cancel()
+                raise ReplyError(
+                    f"key {where[0]!r} server {where[1]}: got {got!r:.60} with rows "
+                    f"{rows.shape}, expected {pos.size} x {block.shape[1]}"
+                )
+            if rows.dtype != block.dtype:
+                self.cancel()
+                raise ReplyError(f"key {where[0]!r}: rows of {rows.dtype}, expected {block.dtype}")
+        for where, rows in zip(asked, arrays, strict=True):
+            self._blocks[where[0]][self._positions[where]] = rows
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self.cancelled:
+            self.cancelled, self.reason = True, reason
+        self._expected.clear()
+
+    def finish(self) -> None:
+        if self.cancelled:
+            return
+        for item, unique, _ in self._wanted:
+            block = self._blocks[item.key]
+            for out, ids in zip(item.outs, item.ids, strict=True):
+                write_rows(
+                    out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)]
+                )
+
+
+# ---------------------------------------------------------------- optimizer states
+
+
+def dump_states(updater, tables: dict) -> bytes:
+    """``updater.dumps()`` (the dense keys' states) with the row-sparse tables' optimizer
+    state added: per key its update count, its row ids and each state's rows."""
+    import msgpack
+
+    from .optimizer import _wire_key, pack_array
+
+    data = msgpack.unpackb(updater.dumps(), strict_map_key=False)
+    rows = []
+    for key, table in tables.items():
+        if table.state_of is None or not table.states:
+            continue
+        slots = table.slots
+        states = [pack_array(s[slots]) for s in table.states]
+        rows.append([_wire_key(key), updater.counts.get(key, 0), pack_array(table.ids), states])
+    data["rows"] = rows
+    return msgpack.packb(data)
+
+
+def load_states(updater, tables: dict, blob: bytes, dense: bool = True) -> None:
+    """Load :func:`dump_states`' output: the dense states into ``updater`` (unless ``dense``
+    is False: the caller did), each row-sparse key's state into its table (rows not stored
+    yet are created from the initializer; load their values with ``load_rows``)."""
+    import msgpack
+
+    from .optimizer import _from_wire_key, unpack_array
+
+    if dense:
+        updater.loads(blob)
+    try:
+        rows = msgpack.unpackb(blob, strict_map_key=False).get("rows") or []
+        entries = [
+            (_from_wire_key(k), int(c), unpack_array(i), [unpack_array(s) for s in states])
+            for k, c, i, states in rows
+        ]
+    except Exception as exc:
+        raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None
+    for key, count, ids, states in entries:
+        table = tables.get(key)
+        if table is None:
+            raise ValueError(
+                f"the optimizer states hold row-sparse key {key!r}, which is not initialised "
+                "here: init it (with a RowSparse) before load_optimizer_states"
+            )
+        table._states_for(updater.optimizer)
+        if len(states) != len(table.states) or any(
+            s.shape != (ids.size, table.dim) for s in states
+        ):
+            raise ValueError(
+                f"the optimizer states of row-sparse key {key!r} do not fit this optimizer "
+                f"({len(states)} states of {ids.size} rows; {updater.optimizer.name} keeps "
+                f"{len(table.states)} of dim {table.dim}): set the optimizer they were saved with"
+            )
+        slots = table.slots_of(ids.astype(np.int64))
+        for stored, value in zip(table.states, states, strict=True):
+            stored[slots] = value
+        updater.counts[key] = count

@@ -1,0 +1,349 @@
+"""Row-sparse values, the row store and row sharding, without processes: examples, MXNet
+1.9.1's lazy updates, and hypothesis against a dense NumPy model."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import optimizer as opt
+from kvstore import sparse
+from kvstore.sharding import row_server
+from kvstore.sparse import RowSparse, RowTable
+
+DATA = Path(__file__).parent / "data" / "mxnet_lazy.json"
+
+
+def lazy_cases():
+    recorded = json.loads(DATA.read_text())
+    return [(recorded, case) for case in recorded["cases"]]
+
+
+@pytest.mark.parametrize(
+    "recorded,case", lazy_cases(), ids=lambda c: json.dumps(c.get("params", ""))[:60]
+)
+def test_lazy_updates_match_mxnet(recorded, case):
+    """The weights after each step of row-sparse gradients equal MXNet 1.9.1's updater's."""
+    w0 = np.array(recorded["w0"], np.float32)
+    table = RowTable(w0.shape[1], np.float32)
+    table.assign(np.arange(w0.shape[0]), w0)  # MXNet's server holds the full table
+    optimizer = opt.create(case["name"], **case["params"])
+    for t, (rows, grad, want) in enumerate(
+        zip(recorded["row_sets"], recorded["grads"], case["weights"], strict=True), 1
+    ):
+        g = np.array(grad, np.float32).reshape(len(rows), w0.shape[1])
+        table.apply(np.array(rows, np.int64), g, optimizer, t, optimizer.learning_rate(t))
+        got = table.read(np.arange(w0.shape[0]))
+        np.testing.assert_allclose(got, np.array(want, np.float32), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- properties vs a dense model
+
+ROWS, DIM = 12, 3
+ids_st = st.lists(st.integers(0, ROWS - 1), max_size=8)
+push_st = st.lists(ids_st, min_size=1, max_size=3)  # one id list per device
+op_st = st.one_of(
+    st.tuples(st.just("push"), push_st, st.integers(0, 2**31)),
+    st.tuples(st.just("pull"), st.lists(ids_st, min_size=1, max_size=2), st.just(0)),
+    st.tuples(st.just("save"), st.integers(0, 6), st.just(0)),
+    st.tuples(st.just("pushpull"), st.lists(ids_st, min_size=1, max_size=1), st.integers(0, 99)),
+    st.tuples(st.just("load"), ids_st, st.integers(0, 99)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(op_st, max_size=12),
+    momentum=st.sampled_from([None, 0.0, 0.9]),
+    init=st.sampled_from([sparse.zeros(), sparse.uniform(-1, 1, 5), sparse.normal(0, 1, 9)]),
+)
+def test_local_store_matches_dense_model(ops, momentum, init):
+    """Every operation of a row-sparse key of the local store against a dense NumPy table:
+    pushes (duplicates and devices summed; without an optimizer the touched rows become the
+    sum; with SGD only the touched rows move), pushpull (the pushed rows come back), pulls of
+    any ids into several outputs, save_rows (the rows changed after a step) and load_rows."""
+    import kvstore
+
+    kv = kvstore.create("local")
+    shape = (ROWS, DIM)
+    kv.init("e", RowSparse.empty(shape, np.float32, init=init))
+    dense = sparse.init_rows(init, np.arange(ROWS), DIM, np.float32).astype(np.float64)
+    mom = np.zeros_like(dense)
+    changed = np.full(ROWS, -1)  # the step a row last changed (-1: never stored)
+    lr, wd = 0.1, 0.01
+    if momentum is not None:
+        kv.set_optimizer(opt.SGD(learning_rate=lr, momentum=momentum, wd=wd))
+    step = 0
+    for op, arg, seed in ops:
+        if op == "load":  # rows set as given, no optimizer, at the current step
+            ids = np.unique(np.array(arg, np.int64))
+            rows = np.random.default_rng(seed).standard_normal((ids.size, DIM))
+            kv.load_rows("e", RowSparse(ids, rows.astype(np.float32), shape))
+            dense[ids] = rows.astype(np.float32)
+            changed[ids] = step
+            continue
+        if op in ("push", "pushpull"):
+            rng = np.random.default_rng(seed)
+            devices = [
+                RowSparse(ids, rng.standard_normal((len(ids), DIM)).astype(np.float32), shape)
+                for ids in arg
+            ]
+            total = np.zeros_like(dense)
+            for d in devices:
+                np.add.at(total, d.indices, d.data.astype(np.float64))
+            touched = np.unique(np.concatenate([d.indices for d in devices]))
+            if op == "push":
+                kv.push("e", devices)
+            else:
+                back = devices[0]
+                kv.pushpull("e", back)  # the pushed rows come back, updated
+            step += 1
+            if momentum is None:
+                dense[touched] = total[touched]
+            else:
+                g = total[touched] + wd * dense[touched]
+                if momentum:
+                    mom[touched] = momentum * mom[touched] - lr * g
+                    dense[touched] += mom[touched]
+                else:
+                    dense[touched] -= lr * g
+            changed[touched] = step
+            if op == "pushpull":
+                assert back.indices.tolist() == touched.tolist()
+                np.testing.assert_allclose(back.data, dense[touched], rtol=1e-5, atol=1e-5)
+        elif op == "pull":
+            outs = [np.full(shape, 7.0, np.float32), RowSparse.empty(shape, np.float32)]
+            kv.row_sparse_pull(
+                "e", out=outs, row_ids=[np.array(arg[0], np.int64), np.array(arg[-1], np.int64)]
+            )
+            want = np.zeros(shape)
+            want[arg[0]] = dense[arg[0]]
+            np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
+            assert outs[1].indices.tolist() == sorted(set(arg[-1]))
+            np.testing.assert_allclose(
+                outs[1].data, dense[sorted(set(arg[-1]))], rtol=1e-5, atol=1e-5
+            )
+        else:
+            rows, now = kv.save_rows("e", since=arg)
+            assert now == step
+            assert rows.indices.tolist() == np.flatnonzero(changed > arg).tolist()
+            np.testing.assert_allclose(rows.data, dense[rows.indices], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    writes=st.lists(st.lists(st.integers(0, 2**62), max_size=20), max_size=6),
+    reads=st.lists(st.integers(0, 2**62), max_size=20),
+)
+def test_row_table_matches_a_dict(writes, reads):
+    """The sorted-index store against a dict of rows: writes create rows, reads of absent rows
+    give their initial value without storing them; ids up to 2**62."""
+    init = sparse.uniform(-1, 1, seed=3)
+    table, model = RowTable(2, np.float32, init), {}
+    for n, ids in enumerate(writes):
+        ids = np.unique(np.array(ids, np.int64))
+        rows = np.full((ids.size, 2), n, np.float32)
+        table.apply(ids, rows)
+        model.update({int(i): rows[0] for i in ids})
+    assert len(table) == len(model) == table.ids.size
+    ask = np.array(reads, np.int64)
+    first = sparse.init_rows(init, ask, 2, np.float32)
+    want = np.array([model.get(int(i), first[k]) for k, i in enumerate(ask)]).reshape(-1, 2)
+    np.testing.assert_array_equal(table.read(ask), want)
+    assert len(table) == len(model)  # reads create nothing
+
+
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**63 - 1), max_size=40), servers=st.integers(1, 5))
+def test_row_split_is_a_partition(ids, servers):
+    """Every id goes to exactly one server, the one row_server names, in the order given."""
+    ids = np.array(ids, np.int64)
+    parts = sparse.split_by_server(ids, servers)
+    assert len(parts) == servers
+    assert sorted(np.concatenate(parts).tolist()) == list(range(ids.size))
+    for server, pos in enumerate(parts):
+        assert (row_server(ids[pos], servers) == server).all()
+        assert (np.diff(pos) > 0).all()
+
+
+def test_row_server_spreads_strided_ids():
+    for stride in (1, 2, 64, 1000):
+        counts = np.bincount(row_server(np.arange(0, 30000 * stride, stride), 3), minlength=3)
+        assert counts.min() > 0.9 * counts.max(), (stride, counts)
+
+
+def test_initializer_is_the_same_for_a_row_wherever_made():
+    init = sparse.normal(0, 1, seed=11)
+    ids = np.array([2**40, 7, 3], np.int64)
+    together = sparse.init_rows(init, ids, 5, np.float32)
+    alone = sparse.init_rows(init, ids[1:2], 5, np.float32)
+    np.testing.assert_array_equal(together[1], alone[0])
+    assert abs(sparse.init_rows(init, np.arange(20000), 8, np.float64).std() - 1) < 0.02
+    other = sparse.init_rows(sparse.normal(0, 1, seed=12), ids, 5, np.float32)
+    assert not np.array_equal(together, other)
+
+
+def test_canonical_sums_duplicates_and_converters():
+    g = RowSparse([4, 1, 4, 4], np.arange(8, dtype=np.float32).reshape(4, 2), (5, 2))
+    c = g.canonical()
+    assert c.indices.tolist() == [1, 4] and c.data.tolist() == [[2, 3], [10, 13]]
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    m = scipy_sparse.coo_matrix(([1.0, 2.0, 3.0], ([3, 0, 3], [1, 1, 1])), shape=(5, 2))
+    s = RowSparse.from_scipy(m)
+    assert s.indices.tolist() == [0, 3] and s.data.tolist() == [[0, 2], [0, 4]]
+    torch = pytest.importorskip("torch")
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([[1, 4, 1]])).sum().backward()
+    t = RowSparse.from_torch(emb.weight.grad)
+    assert t.shape == (10, 3) and t.indices.tolist() == [1, 4]
+    assert t.data.tolist() == [[2.0] * 3, [1.0] * 3]
+
+
+def test_errors_say_what_is_wrong():
+    import kvstore
+
+    kv = kvstore.create("local")
+    kv.init("emb", RowSparse.empty((10, 2)))
+    with pytest.raises(ValueError, match=r"row id 12 is outside \[0, 10\)"):
+        RowSparse([12], np.ones((1, 2)), (10, 2))
+    with pytest.raises(ValueError, match=r"row_sparse_pull\(key='emb'\): row id 10 is outside"):
+        kv.row_sparse_pull("emb", out=RowSparse.empty((10, 2)), row_ids=[3, 10])
+    with pytest.raises(ValueError, match=r"push\(key='emb'\): value shape \(11, 2\)"):
+        kv.push("emb", RowSparse([1], np.ones((1, 2)), (11, 2)))
+    with pytest.raises(TypeError, match="takes a kvstore.sparse.RowSparse"):
+        kv.push("emb", np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="duplicate init"):
+        kv.init("emb", RowSparse.empty((10, 2)))
+    with pytest.raises(ValueError, match="row initializer"):
+        RowSparse.empty((10, 2), init={"kind": "uniform", "low": 1})
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    with pytest.raises(ValueError, match="gradient compression does not apply to row-sparse"):
+        kv.push("emb", RowSparse([1], np.ones((1, 2), np.float32), (10, 2)))
+    kv2 = kvstore.create("local")
+    kv2.init("emb", RowSparse.empty((10, 2)))
+    kv2.set_optimizer(opt.LAMB())
+    with pytest.raises(ValueError, match=r"push\(key='emb'\): LAMB's update takes norms"):
+        kv2.push("emb", RowSparse([1], np.ones((1, 2), np.float32), (10, 2)))
+    with pytest.raises(ValueError, match="not pulled whole"):
+        kv.init("big", RowSparse.empty((10**9, 4)))
+        kv.pull("big", out=np.empty((1, 4), np.float32))
+
+
+def test_memory_grows_with_rows_touched():
+    """A 10^9-row table of dim 64 with 10^6 rows touched, SGD with momentum's state included,
+    holds under 512 MiB (the block and the state grow with the rows, never the table)."""
+    table = RowTable(64, np.float32, sparse.uniform(-0.1, 0.1, seed=1), rows=10**9)
+    sgd = opt.SGD(learning_rate=0.1, momentum=0.9)
+    rng = np.random.default_rng(0)
+    ids = np.unique(rng.integers(0, 10**9, 1_000_000))
+    for chunk in np.array_split(ids, 32):
+        table.apply(chunk, np.ones((chunk.size, 64), np.float32), sgd, 1, 0.1)
+    assert len(table) == ids.size
+    assert table.nbytes < 512 * 2**20, table.nbytes
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rounds=st.lists(st.lists(st.integers(0, 15), max_size=6), max_size=14),
+    admit=st.integers(1, 3),
+    evict=st.sampled_from([0, 1, 2, 5]),
+)
+def test_admission_and_eviction_match_a_model(rounds, admit, evict):
+    """A row is stored from the ``admit``-th round that pushes it; a row unchanged for
+    ``evict`` rounds is dropped at the next check (every evict // 2 rounds); an absent row
+    reads as its initial value."""
+    init = sparse.uniform(-1, 1, seed=2)
+    table = RowTable(2, np.float32, {**init, "admit_after": admit, "evict_after": evict})
+    stored, counts, last = {}, {}, {}
+    for r, ids in enumerate(rounds, 1):
+        ids = sorted(set(ids))
+        if evict and r % max(1, evict // 2) == 0:
+            for i in [i for i in stored if last[i] <= r - 1 - evict]:
+                del stored[i], last[i]
+        for i in ids:
+            if i not in stored:
+                counts[i] = counts.get(i, 0) + 1
+                if counts[i] < admit:
+                    continue
+                del counts[i]
+            stored[i], last[i] = float(r), r
+        table.apply(np.array(ids, np.int64), np.full((len(ids), 2), r, np.float32))
+    everything = np.arange(16)
+    first = sparse.init_rows(init, everything, 2, np.float32)
+    want = np.array([[stored[i]] * 2 if i in stored else first[i] for i in everything])
+    np.testing.assert_array_equal(table.read(everything), want)
+    assert len(table) == len(stored)
+    assert sorted(table.ids.tolist()) == sorted(stored)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rounds=st.lists(st.lists(ids_st, min_size=1, max_size=3), max_size=6),
+    sgd=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
+    """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
+    without an optimizer, summed first with one) leaves the same bits as summing the pushes
+    in rank order and applying the sum; the rows a pushpull answers are its pushed rows."""
+    rng = np.random.default_rng(seed)
+    keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
+    keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
+    optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
+    shape = (ROWS, DIM)
+    for n, pushes in enumerate(rounds):
+        values = []
+        for rank, ids in reversed(list(enumerate(pushes))):  # arrival order: any
+            ids = np.unique(np.array(ids, np.int64))
+            rows = rng.standard_normal((ids.size, DIM)).astype(np.float32)
+            keys.add("k", n, rank, ids, rows, sync=True)
+            values.append((rank, RowSparse(ids, rows, shape)))
+        keys.apply("k", False, optimizer, n + 1, 0.1)
+        total = sparse.sum_rows(
+            [v for _, v in sorted(values, key=lambda x: x[0])], shape, np.float32
+        )
+        twin.apply(total.indices, total.data, optimizer, n + 1, 0.1)
+        table = keys.tables["k"]
+        for _, v in values:
+            np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
+        np.testing.assert_array_equal(table.read(np.arange(ROWS)), twin.read(np.arange(ROWS)))
+        assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "adagrad"])
+def test_optimizer_states_of_rows_save_and_load(tmp_path, name):
+    """save_optimizer_states holds a row-sparse key's state: a store restored from
+    save_rows + save_optimizer_states continues exactly as the original."""
+    import kvstore
+
+    shape = (10**6, 3)
+    params = {"learning_rate": 0.1, "momentum": 0.9} if name == "sgd" else {}
+    rng = np.random.default_rng(1)
+    grads = [
+        RowSparse(rng.integers(0, 50, 8), rng.standard_normal((8, 3)).astype(np.float32), shape)
+        for _ in range(4)
+    ]
+    kv = kvstore.create("local")
+    kv.init("e", RowSparse.empty(shape, np.float32, init=sparse.uniform(-1, 1, 3)))
+    kv.set_optimizer(opt.create(name, **params))
+    for g in grads[:2]:
+        kv.push("e", g)
+    rows, _ = kv.save_rows("e")
+    kv.save_optimizer_states(str(tmp_path / "states"))
+    for g in grads[2:]:
+        kv.push("e", g)
+    restored = kvstore.create("local")
+    restored.init("e", RowSparse.empty(shape, np.float32, init=sparse.uniform(-1, 1, 3)))
+    restored.set_optimizer(opt.create(name, **params))
+    restored.load_rows("e", rows)
+    restored.load_optimizer_states(str(tmp_path / "states"))
+    for g in grads[2:]:
+        restored.push("e", g)
+    ids = np.arange(50)
+    a, b = RowSparse.empty(shape, np.float32), RowSparse.empty(shape, np.float32)
+    kv.row_sparse_pull("e", out=a, row_ids=ids)
+    restored.row_sparse_pull("e", out=b, row_ids=ids)
+    np.testing.assert_array_equal(a.data, b.data)

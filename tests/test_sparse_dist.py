@@ -1,0 +1,40 @@
+"""Row-sparse keys on real clusters: MXNet's nightly row-sparse checks and more, one worker
+script per cluster (tests/workers/sparse_nightly.py)."""
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "num_server,num_worker,dtype",
+    [(1, 2, "float32"), (2, 2, "float16"), (2, 3, "float32"), (1, 3, "float16")],
+)
+def test_sparse_nightly(cluster, num_server, num_worker, dtype):
+    c = cluster(num_server, num_worker)
+    outs = c.run_workers("sparse_nightly.py", ["dist_sync", dtype, 1], timeout=120)
+    assert all(f"OK sparse {dtype}" in o for o in outs), outs
+
+
+def test_sparse_async_loses_no_push(cluster):
+    c = cluster(2, 2)
+    outs = c.run_workers("sparse_async.py", ["dist_async"], timeout=120)
+    assert all("OK async rows" in o for o in outs), outs
+
+
+def test_server_refuses_bad_row_requests_and_serves_on(cluster):
+    c = cluster(2, 1)
+    outs = c.run_workers("sparse_refusals.py", timeout=60)
+    assert "OK refusals" in outs[0], outs
+    assert "Traceback" not in c.output("server0")
+
+
+def test_torch_embedding_gradients_travel_as_rows(cluster):
+    pytest.importorskip("torch")
+    c = cluster(2, 2)
+    outs = c.run_workers("torch_rows.py", timeout=120)
+    assert all("OK torch rows" in o for o in outs), outs
+
+
+def test_sparse_join_uneven_inputs(cluster):
+    c = cluster(2, 3)
+    outs = c.run_workers("sparse_join.py", timeout=120)
+    assert all("OK join rows" in o for o in outs), outs
