@@ -13,6 +13,11 @@ tests drive it with events alone (``tests/test_rounds.py``, against a sequential
   far ahead of the others it runs. Round n completes when every worker has pushed it, or has
   called ``join`` (it then counts as pushing zeros); the sum is then applied once.
 - A push is answered when its round completes.
+- A round's sum is the same bits whatever the order its pushes arrive in (``reproducible``,
+  the default): it is a fixed pairwise tree over the ranks (:func:`pairwise_sum`), each node
+  added as soon as both its halves are in. A worker that joined is left out of the rounds it
+  did not push (its half of a node is the other half, as is): the same bits as a push of
+  zeros, but for the sign of a zero sum. ``reproducible=False`` adds in arrival order.
 - A pull is answered once the key has completed as many rounds as this worker pushed it, so it
   sees all of the worker's own pushes and never waits for anyone's future pushes.
 - A round that a finished worker never pushed, or that stays open past the round deadline, can
@@ -94,9 +99,11 @@ class _Key:
     pushed: list  # per worker rank: pushes received (the round its next push goes to)
     done: int = 0  # rounds completed
     count: int = 0  # pushes summed into the open round (round ``done``)
-    first: np.ndarray | None = None  # the open round's only push so far, uncopied
-    acc: np.ndarray | None = None  # the open round's sum once a second push came
-    spare: np.ndarray | None = None  # a buffer the caller gave back, to sum into
+    first: np.ndarray | None = None  # arrival order: the open round's only push, uncopied
+    acc: np.ndarray | None = None  # arrival order: the open round's sum once a second push came
+    parts: dict = field(default_factory=dict)  # the tree: (level, index) -> node waiting
+    total: tuple | None = None  # the tree: its root once every rank's leaf is in
+    spares: list = field(default_factory=list)  # buffers given back, to sum into
     started: float = 0.0  # when the open round got its first push
     last_push: list = field(default_factory=list)  # per rank: when it last pushed (-1: never)
     queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [grad]
@@ -109,8 +116,14 @@ class _Key:
 class Rounds:
     """The sync and async round state of every key of one server."""
 
-    def __init__(self, num_workers: int, round_timeout: float, describe=repr):
+    def __init__(
+        self, num_workers: int, round_timeout: float, describe=repr, reproducible: bool = True
+    ):
         self.num_workers = num_workers
+        self.reproducible = reproducible  # sum in the fixed tree (else in arrival order)
+        self._depth = (num_workers - 1).bit_length()  # the tree's levels above the leaves
+        # the most buffers a round holds at once: a tree's nodes of two pushes, else one
+        self._most_spares = max(1, num_workers // 2) if reproducible else 1
         self.round_timeout = round_timeout
         self.describe = describe  # a key's name in error messages
         self.keys: dict[Hashable, _Key] = {}
@@ -130,7 +143,7 @@ class Rounds:
         :class:`Apply` replaced) for the key's next sum."""
         state = self.keys.get(key)
         if state is not None and buffer.flags.writeable:
-            state.spare = buffer
+            self._recycle(state, buffer)
 
     # ---- events
     def push(
@@ -173,9 +186,9 @@ class Rounds:
             else:
                 state.waiting[need].append(request)
             if n == state.done:
-                self._add(state, grad, now)
+                self._add(state, rank, grad, now)
             else:
-                state.queued[n].append(grad)
+                state.queued[n].append((rank, grad))
             self._advance(state, now, actions)
         return actions
 
@@ -211,9 +224,13 @@ class Rounds:
         """Worker ``rank`` is out of data: it counts as pushing zeros into every round until
         every worker has joined."""
         actions: list = []
+        new = rank not in self.joined_ranks
         self.joined_ranks.add(rank)
         for key in list(self._open):
-            self._advance(self.keys[key], now, actions)
+            state = self.keys[key]
+            if new and self.reproducible and state.pushed[rank] <= state.done:
+                self._place(state, rank, _ZERO)  # it will not push the open round
+            self._advance(state, now, actions)
         if len(self.joined_ranks) == self.num_workers:
             # Everyone is out of data: the rounds a worker skipped count as pushed, and the
             # next epoch starts even.
@@ -307,42 +324,104 @@ class Rounds:
             "create the same store type with the same KVSTORE_STALENESS"
         )
 
-    def _add(self, state: _Key, grad: np.ndarray, now: float) -> None:
+    def _add(self, state: _Key, rank: int, grad: np.ndarray, now: float) -> None:
         if state.count == 0:
-            state.first, state.started = grad, now
+            state.started = now
             self._open.add(state.name)
+        state.count += 1
+        if self.reproducible:
+            if state.count == 1 and self.joined_ranks:  # a round opens: joined ranks are out
+                for r in self.joined_ranks:
+                    if state.pushed[r] <= state.done:
+                        self._place(state, r, _ZERO)
+            self._place(state, rank, (grad, False))
         elif state.count == 1:
-            acc = state.spare
-            if acc is None or acc.shape != grad.shape or acc.dtype != grad.dtype:
-                acc = np.empty_like(grad)
-            state.spare = None
+            state.first = grad
+        elif state.count == 2:
+            acc = self._buffer(state, grad)
             np.add(state.first, grad, out=acc)
             state.acc, state.first = acc, None
         else:
             np.add(state.acc, grad, out=state.acc)
-        state.count += 1
+
+    def _place(self, state: _Key, rank: int, node: tuple) -> None:
+        """Put rank's leaf in the open round's tree and add up every node it completes.
+
+        A node is ``(array, owned)`` (owned: a buffer of ours, else a push nobody writes to)
+        or ``_ZERO`` (a joined rank's leaf, or a node with only those under it)."""
+        parts, index, width = state.parts, rank, self.num_workers
+        for level in range(self._depth):
+            sibling = index ^ 1
+            if sibling << level < width:  # else the sibling holds no rank: pass up as is
+                other = parts.pop((level, sibling), None)
+                if other is None:
+                    parts[(level, index)] = node
+                    return
+                node = self._combine(state, node, other)  # a + b == b + a, bit for bit
+            index >>= 1
+        state.total = node
+
+    def _combine(self, state: _Key, a: tuple, b: tuple) -> tuple:
+        if a is _ZERO:
+            return b
+        if b is _ZERO:
+            return a
+        if b[1] and not a[1]:
+            a, b = b, a
+        if a[1]:  # sum into our buffer: no allocation, and the other's goes back to the pool
+            np.add(a[0], b[0], out=a[0])
+            if b[1]:
+                self._recycle(state, b[0])
+            return a
+        out = self._buffer(state, a[0])
+        np.add(a[0], b[0], out=out)
+        return (out, True)
+
+    def _buffer(self, state: _Key, like: np.ndarray) -> np.ndarray:
+        """A buffer to sum into: a spare that fits, else a new one."""
+        while state.spares:
+            spare = state.spares.pop()
+            if spare.shape == like.shape and spare.dtype == like.dtype:
+                return spare
+        return np.empty_like(like)
+
+    def _recycle(self, state: _Key, buffer: np.ndarray) -> None:
+        if len(state.spares) < self._most_spares:
+            state.spares.append(buffer)
 
     def _complete(self, state: _Key) -> bool:
         if state.count == 0:
             return False
+        if self.reproducible:  # the root is in once every rank's leaf is
+            return state.total is not None
         if not self.joined_ranks:  # each rank adds one push to a round: count them
             return state.count == self.num_workers
         return all(
             n > state.done or rank in self.joined_ranks for rank, n in enumerate(state.pushed)
         )
 
+    def _take_total(self, state: _Key) -> np.ndarray:
+        if self.reproducible:
+            total = state.total[0]
+        else:
+            total = state.first if state.count == 1 else state.acc
+        self._clear(state)
+        return total
+
+    def _clear(self, state: _Key) -> None:
+        state.first = state.acc = state.total = None
+        state.parts.clear()
+        state.count = 0
+        self._open.discard(state.name)
+
     def _advance(self, state: _Key, now: float, actions: list) -> None:
         while self._complete(state) and (state.dead_from is None or state.done < state.dead_from):
-            total = state.first if state.count == 1 else state.acc
-            state.first = state.acc = None
-            state.count = 0
-            self._open.discard(state.name)
-            actions.append(Apply(state.name, total, accumulate=False))
+            actions.append(Apply(state.name, self._take_total(state), accumulate=False))
             state.done += 1
             for request in state.waiting.pop(state.done, ()):
                 self._key_ready(request, actions)
-            for grad in state.queued.pop(state.done, ()):
-                self._add(state, grad, now)
+            for rank, grad in state.queued.pop(state.done, ()):
+                self._add(state, rank, grad, now)
 
     def _missing(self, state: _Key) -> list:
         return [
@@ -387,9 +466,7 @@ class Rounds:
         for n in [n for n in state.queued if n >= state.dead_from]:
             del state.queued[n]
         if state.done >= state.dead_from:
-            state.first = state.acc = None
-            state.count = 0
-            self._open.discard(state.name)
+            self._clear(state)
 
     def _key_ready(self, request, actions: list) -> None:
         left = self._requests.get(request)
@@ -404,6 +481,31 @@ class Rounds:
     def _fail(self, request, text: str, actions: list) -> None:
         if self._requests.pop(request, None) is not None:
             actions.append(Fail(request, text))
+
+
+_ZERO = (None, False)  # a joined rank's leaf in the tree: left out of the sum
+
+
+def pairwise_sum(pushes: list) -> np.ndarray | None:
+    """The sum a reproducible round applies, from its pushes in rank order (``None``: a rank
+    that joined): the fixed pairwise tree over ranks ``0 .. W-1``. Level by level, ranks
+    ``(0, 1), (2, 3), ...`` are added, then those pairs in pairs, and so on; a node whose
+    right half holds no rank is its left half, and a node one of whose halves holds only
+    joined ranks is the other half, as is. What :class:`Rounds` computes, whatever the order
+    the pushes arrive in; the tests' reference.
+
+    >>> ones = [np.float32(x) for x in (1e8, 1, -1e8, 1)]
+    >>> float(pairwise_sum(ones)), float(ones[0] + ones[2] + ones[1] + ones[3])
+    (0.0, 2.0)
+    """
+    nodes = list(pushes)
+    while len(nodes) > 1:
+        pairs = []
+        for i in range(0, len(nodes), 2):
+            a, b = nodes[i], nodes[i + 1] if i + 1 < len(nodes) else None
+            pairs.append(a if b is None else b if a is None else a + b)
+        nodes = pairs
+    return nodes[0] if nodes else None
 
 
 def _mode(staleness: int | None) -> str:
