@@ -101,8 +101,9 @@ class _Key:
     count: int = 0  # pushes summed into the open round (round ``done``)
     first: np.ndarray | None = None  # arrival order: the open round's only push, uncopied
     acc: np.ndarray | None = None  # arrival order: the open round's sum once a second push came
-    parts: dict = field(default_factory=dict)  # the tree: (level, index) -> node waiting
-    total: tuple | None = None  # the tree: its root once every rank's leaf is in
+    nodes: list | None = None  # the tree, heap-ordered: the sums waiting for their sibling
+    mine: list | None = None  # the tree: per node, whether it is a buffer of ours
+    total: np.ndarray | None = None  # the tree: its root once every rank's leaf is in
     spares: list = field(default_factory=list)  # buffers given back, to sum into
     started: float = 0.0  # when the open round got its first push
     last_push: list = field(default_factory=list)  # per rank: when it last pushed (-1: never)
@@ -121,7 +122,16 @@ class Rounds:
     ):
         self.num_workers = num_workers
         self.reproducible = reproducible  # sum in the fixed tree (else in arrival order)
-        self._depth = (num_workers - 1).bit_length()  # the tree's levels above the leaves
+        # The tree in heap order: node 1 is the root, node p's halves are 2p and 2p + 1, rank
+        # r's leaf is node leaves + r. A hollow node holds no rank (beyond W).
+        self._leaves = 1 << (num_workers - 1).bit_length()
+        self._hollow = [False] * (2 * self._leaves)
+        for p in range(2 * self._leaves - 1, 0, -1):
+            self._hollow[p] = (
+                p - self._leaves >= num_workers
+                if p >= self._leaves
+                else self._hollow[2 * p] and self._hollow[2 * p + 1]
+            )
         # the most buffers a round holds at once: a tree's nodes of two pushes, else one
         self._most_spares = max(1, num_workers // 2) if reproducible else 1
         self.round_timeout = round_timeout
@@ -229,7 +239,7 @@ class Rounds:
         for key in list(self._open):
             state = self.keys[key]
             if new and self.reproducible and state.pushed[rank] <= state.done:
-                self._place(state, rank, _ZERO)  # it will not push the open round
+                self._place(state, rank, _ZERO, False)  # it will not push the open round
             self._advance(state, now, actions)
         if len(self.joined_ranks) == self.num_workers:
             # Everyone is out of data: the rounds a worker skipped count as pushed, and the
@@ -333,8 +343,8 @@ class Rounds:
             if state.count == 1 and self.joined_ranks:  # a round opens: joined ranks are out
                 for r in self.joined_ranks:
                     if state.pushed[r] <= state.done:
-                        self._place(state, r, _ZERO)
-            self._place(state, rank, (grad, False))
+                        self._place(state, r, _ZERO, False)
+            self._place(state, rank, grad, False)
         elif state.count == 1:
             state.first = grad
         elif state.count == 2:
@@ -344,38 +354,42 @@ class Rounds:
         else:
             np.add(state.acc, grad, out=state.acc)
 
-    def _place(self, state: _Key, rank: int, node: tuple) -> None:
+    def _place(self, state: _Key, rank: int, value, mine: bool) -> None:
         """Put rank's leaf in the open round's tree and add up every node it completes.
 
-        A node is ``(array, owned)`` (owned: a buffer of ours, else a push nobody writes to)
-        or ``_ZERO`` (a joined rank's leaf, or a node with only those under it)."""
-        parts, index, width = state.parts, rank, self.num_workers
-        for level in range(self._depth):
-            sibling = index ^ 1
-            if sibling << level < width:  # else the sibling holds no rank: pass up as is
-                other = parts.pop((level, sibling), None)
-                if other is None:
-                    parts[(level, index)] = node
+        A node is an array (``mine``: a buffer of ours, else a push nobody writes to) or
+        ``_ZERO`` (a joined rank's leaf, or a node with only those under it: left out)."""
+        nodes, owned, hollow = state.nodes, state.mine, self._hollow
+        if nodes is None:
+            nodes = state.nodes = [None] * (2 * self._leaves)
+            owned = state.mine = [False] * (2 * self._leaves)
+        pos = self._leaves + rank
+        while pos > 1:
+            sibling = pos ^ 1
+            if not hollow[sibling]:  # else nothing to add: the node is this half, as is
+                other = nodes[sibling]
+                if other is None:  # wait for it
+                    nodes[pos], owned[pos] = value, mine
                     return
-                node = self._combine(state, node, other)  # a + b == b + a, bit for bit
-            index >>= 1
-        state.total = node
-
-    def _combine(self, state: _Key, a: tuple, b: tuple) -> tuple:
-        if a is _ZERO:
-            return b
-        if b is _ZERO:
-            return a
-        if b[1] and not a[1]:
-            a, b = b, a
-        if a[1]:  # sum into our buffer: no allocation, and the other's goes back to the pool
-            np.add(a[0], b[0], out=a[0])
-            if b[1]:
-                self._recycle(state, b[0])
-            return a
-        out = self._buffer(state, a[0])
-        np.add(a[0], b[0], out=out)
-        return (out, True)
+                nodes[sibling] = None
+                # a + b == b + a bit for bit: sum into whichever half is a buffer of ours
+                if other is _ZERO:
+                    pass
+                elif value is _ZERO:
+                    value, mine = other, owned[sibling]
+                elif mine:
+                    np.add(value, other, out=value)
+                    if owned[sibling]:
+                        self._recycle(state, other)
+                elif owned[sibling]:
+                    np.add(other, value, out=other)
+                    value, mine = other, True
+                else:
+                    out = self._buffer(state, value)
+                    np.add(value, other, out=out)
+                    value, mine = out, True
+            pos >>= 1
+        state.total = value
 
     def _buffer(self, state: _Key, like: np.ndarray) -> np.ndarray:
         """A buffer to sum into: a spare that fits, else a new one."""
@@ -402,7 +416,7 @@ class Rounds:
 
     def _take_total(self, state: _Key) -> np.ndarray:
         if self.reproducible:
-            total = state.total[0]
+            total = state.total
         else:
             total = state.first if state.count == 1 else state.acc
         self._clear(state)
@@ -410,7 +424,6 @@ class Rounds:
 
     def _clear(self, state: _Key) -> None:
         state.first = state.acc = state.total = None
-        state.parts.clear()
         state.count = 0
         self._open.discard(state.name)
 
@@ -467,6 +480,7 @@ class Rounds:
             del state.queued[n]
         if state.done >= state.dead_from:
             self._clear(state)
+            state.nodes = state.mine = None  # the tree of a round that failed half way
 
     def _key_ready(self, request, actions: list) -> None:
         left = self._requests.get(request)
@@ -483,7 +497,7 @@ class Rounds:
             actions.append(Fail(request, text))
 
 
-_ZERO = (None, False)  # a joined rank's leaf in the tree: left out of the sum
+_ZERO = object()  # a joined rank's leaf in the tree: left out of the sum
 
 
 def pairwise_sum(pushes: list) -> np.ndarray | None:
