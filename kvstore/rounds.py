@@ -102,12 +102,12 @@ class _Key:
     first: np.ndarray | None = None  # arrival order: the open round's only push, uncopied
     acc: np.ndarray | None = None  # arrival order: the open round's sum once a second push came
     nodes: list | None = None  # the tree, heap-ordered: the sums waiting for their sibling
-    mine: list | None = None  # the tree: per node, whether it is a buffer of ours
+    owned: list | None = None  # the tree: per node, whether it is a buffer of ours
     total: np.ndarray | None = None  # the tree: its root once every rank's leaf is in
     spares: list = field(default_factory=list)  # buffers given back, to sum into
     started: float = 0.0  # when the open round got its first push
     last_push: list = field(default_factory=list)  # per rank: when it last pushed (-1: never)
-    queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [grad]
+    queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [(rank, grad)]
     waiting: dict = field(default_factory=lambda: defaultdict(list))  # rounds done -> [request]
     dead_from: int | None = None  # rounds from this one on can never complete
     dead_why: str = ""
@@ -359,10 +359,10 @@ class Rounds:
 
         A node is an array (``mine``: a buffer of ours, else a push nobody writes to) or
         ``_ZERO`` (a joined rank's leaf, or a node with only those under it: left out)."""
-        nodes, owned, hollow = state.nodes, state.mine, self._hollow
+        nodes, owned, hollow = state.nodes, state.owned, self._hollow
         if nodes is None:
             nodes = state.nodes = [None] * (2 * self._leaves)
-            owned = state.mine = [False] * (2 * self._leaves)
+            owned = state.owned = [False] * (2 * self._leaves)
         pos = self._leaves + rank
         while pos > 1:
             sibling = pos ^ 1
@@ -480,7 +480,7 @@ class Rounds:
             del state.queued[n]
         if state.done >= state.dead_from:
             self._clear(state)
-            state.nodes = state.mine = None  # the tree of a round that failed half way
+            state.nodes = state.owned = None  # the tree of a round that failed half way
 
     def _key_ready(self, request, actions: list) -> None:
         left = self._requests.get(request)
