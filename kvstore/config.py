@@ -38,6 +38,7 @@ class Config:
     start_timeout: float = 60.0
     request_timeout: float = 600.0
     round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
+    reproducible: bool = True  # KVSTORE_REPRODUCIBLE=0: servers sum in arrival order
     staleness: float = 1  # KVSTORE_STALENESS: dist_ssp's bound in rounds; inf: as dist_async
     stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
@@ -86,6 +87,7 @@ class Config:
             start_timeout=_number(env, "KVSTORE_START_TIMEOUT", 60.0, float, low=0.1),
             request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
             round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 0.0, float, low=0.0),
+            reproducible=_flag(env, "KVSTORE_REPRODUCIBLE", default=True),
             staleness=staleness_of(env.get("KVSTORE_STALENESS"), "KVSTORE_STALENESS"),
             stall_report=_number(env, "KVSTORE_STALL_REPORT", 60.0, float, low=0.0),
             heartbeat_interval=interval,

@@ -13,6 +13,11 @@ tests drive it with events alone (``tests/test_rounds.py``, against a sequential
   far ahead of the others it runs. Round n completes when every worker has pushed it, or has
   called ``join`` (it then counts as pushing zeros); the sum is then applied once.
 - A push is answered when its round completes.
+- A round's sum is the same bits whatever the order its pushes arrive in (``reproducible``,
+  the default): it is a fixed pairwise tree over the ranks (:func:`pairwise_sum`), each node
+  added as soon as both its halves are in. A worker that joined is left out of the rounds it
+  did not push (its half of a node is the other half, as is): the same bits as a push of
+  zeros, but for the sign of a zero sum. ``reproducible=False`` adds in arrival order.
 - A pull is answered once the key has completed as many rounds as this worker pushed it, so it
   sees all of the worker's own pushes and never waits for anyone's future pushes.
 - A round that a finished worker never pushed, or that stays open past the round deadline, can
@@ -94,12 +99,15 @@ class _Key:
     pushed: list  # per worker rank: pushes received (the round its next push goes to)
     done: int = 0  # rounds completed
     count: int = 0  # pushes summed into the open round (round ``done``)
-    first: np.ndarray | None = None  # the open round's only push so far, uncopied
-    acc: np.ndarray | None = None  # the open round's sum once a second push came
-    spare: np.ndarray | None = None  # a buffer the caller gave back, to sum into
+    first: np.ndarray | None = None  # arrival order: the open round's only push, uncopied
+    acc: np.ndarray | None = None  # arrival order: the open round's sum once a second push came
+    nodes: list | None = None  # the tree, heap-ordered: the sums waiting for their sibling
+    owned: list | None = None  # the tree: per node, whether it is a buffer of ours
+    total: np.ndarray | None = None  # the tree: its root once every rank's leaf is in
+    spares: list = field(default_factory=list)  # buffers given back, to sum into
     started: float = 0.0  # when the open round got its first push
     last_push: list = field(default_factory=list)  # per rank: when it last pushed (-1: never)
-    queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [grad]
+    queued: dict = field(default_factory=lambda: defaultdict(list))  # round -> [(rank, grad)]
     waiting: dict = field(default_factory=lambda: defaultdict(list))  # rounds done -> [request]
     dead_from: int | None = None  # rounds from this one on can never complete
     dead_why: str = ""
@@ -109,8 +117,23 @@ class _Key:
 class Rounds:
     """The sync and async round state of every key of one server."""
 
-    def __init__(self, num_workers: int, round_timeout: float, describe=repr):
+    def __init__(
+        self, num_workers: int, round_timeout: float, describe=repr, reproducible: bool = True
+    ):
         self.num_workers = num_workers
+        self.reproducible = reproducible  # sum in the fixed tree (else in arrival order)
+        # The tree in heap order: node 1 is the root, node p's halves are 2p and 2p + 1, rank
+        # r's leaf is node leaves + r. A hollow node holds no rank (beyond W).
+        self._leaves = 1 << (num_workers - 1).bit_length()
+        self._hollow = [False] * (2 * self._leaves)
+        for p in range(2 * self._leaves - 1, 0, -1):
+            self._hollow[p] = (
+                p - self._leaves >= num_workers
+                if p >= self._leaves
+                else self._hollow[2 * p] and self._hollow[2 * p + 1]
+            )
+        # the most buffers a round holds at once: a tree's nodes of two pushes, else one
+        self._most_spares = max(1, num_workers // 2) if reproducible else 1
         self.round_timeout = round_timeout
         self.describe = describe  # a key's name in error messages
         self.keys: dict[Hashable, _Key] = {}
@@ -130,7 +153,7 @@ class Rounds:
         :class:`Apply` replaced) for the key's next sum."""
         state = self.keys.get(key)
         if state is not None and buffer.flags.writeable:
-            state.spare = buffer
+            self._recycle(state, buffer)
 
     # ---- events
     def push(
@@ -175,9 +198,9 @@ class Rounds:
             else:
                 state.waiting[need].append(request)
             if n == state.done:
-                self._add(state, grad, now)
+                self._add(state, rank, grad, now)
             else:
-                state.queued[n].append(grad)
+                state.queued[n].append((rank, grad))
             self._advance(state, now, actions)
         return actions
 
@@ -217,9 +240,13 @@ class Rounds:
         """Worker ``rank`` is out of data: it counts as pushing zeros into every round until
         every worker has joined."""
         actions: list = []
+        new = rank not in self.joined_ranks
         self.joined_ranks.add(rank)
         for key in list(self._open):
-            self._advance(self.keys[key], now, actions)
+            state = self.keys[key]
+            if new and self.reproducible and state.pushed[rank] <= state.done:
+                self._place(state, rank, _ZERO, False)  # it will not push the open round
+            self._advance(state, now, actions)
         if len(self.joined_ranks) == self.num_workers:
             # Everyone is out of data: the rounds a worker skipped count as pushed, and the
             # next epoch starts even.
@@ -313,42 +340,107 @@ class Rounds:
             "create the same store type with the same KVSTORE_STALENESS"
         )
 
-    def _add(self, state: _Key, grad: np.ndarray, now: float) -> None:
+    def _add(self, state: _Key, rank: int, grad: np.ndarray, now: float) -> None:
         if state.count == 0:
-            state.first, state.started = grad, now
+            state.started = now
             self._open.add(state.name)
+        state.count += 1
+        if self.reproducible:
+            if state.count == 1 and self.joined_ranks:  # a round opens: joined ranks are out
+                for r in self.joined_ranks:
+                    if state.pushed[r] <= state.done:
+                        self._place(state, r, _ZERO, False)
+            self._place(state, rank, grad, False)
         elif state.count == 1:
-            acc = state.spare
-            if acc is None or acc.shape != grad.shape or acc.dtype != grad.dtype:
-                acc = np.empty_like(grad)
-            state.spare = None
+            state.first = grad
+        elif state.count == 2:
+            acc = self._buffer(state, grad)
             np.add(state.first, grad, out=acc)
             state.acc, state.first = acc, None
         else:
             np.add(state.acc, grad, out=state.acc)
-        state.count += 1
+
+    def _place(self, state: _Key, rank: int, value, mine: bool) -> None:
+        """Put rank's leaf in the open round's tree and add up every node it completes.
+
+        A node is an array (``mine``: a buffer of ours, else a push nobody writes to) or
+        ``_ZERO`` (a joined rank's leaf, or a node with only those under it: left out)."""
+        nodes, owned, hollow = state.nodes, state.owned, self._hollow
+        if nodes is None:
+            nodes = state.nodes = [None] * (2 * self._leaves)
+            owned = state.owned = [False] * (2 * self._leaves)
+        pos = self._leaves + rank
+        while pos > 1:
+            sibling = pos ^ 1
+            if not hollow[sibling]:  # else nothing to add: the node is this half, as is
+                other = nodes[sibling]
+                if other is None:  # wait for it
+                    nodes[pos], owned[pos] = value, mine
+                    return
+                nodes[sibling] = None
+                # a + b == b + a bit for bit: sum into whichever half is a buffer of ours
+                if other is _ZERO:
+                    pass
+                elif value is _ZERO:
+                    value, mine = other, owned[sibling]
+                elif mine:
+                    np.add(value, other, out=value)
+                    if owned[sibling]:
+                        self._recycle(state, other)
+                elif owned[sibling]:
+                    np.add(other, value, out=other)
+                    value, mine = other, True
+                else:
+                    out = self._buffer(state, value)
+                    np.add(value, other, out=out)
+                    value, mine = out, True
+            pos >>= 1
+        state.total = value
+
+    def _buffer(self, state: _Key, like: np.ndarray) -> np.ndarray:
+        """A buffer to sum into: a spare that fits, else a new one."""
+        while state.spares:
+            spare = state.spares.pop()
+            if spare.shape == like.shape and spare.dtype == like.dtype:
+                return spare
+        return np.empty_like(like)
+
+    def _recycle(self, state: _Key, buffer: np.ndarray) -> None:
+        if len(state.spares) < self._most_spares:
+            state.spares.append(buffer)
 
     def _complete(self, state: _Key) -> bool:
         if state.count == 0:
             return False
+        if self.reproducible:  # the root is in once every rank's leaf is
+            return state.total is not None
         if not self.joined_ranks:  # each rank adds one push to a round: count them
             return state.count == self.num_workers
         return all(
             n > state.done or rank in self.joined_ranks for rank, n in enumerate(state.pushed)
         )
 
+    def _take_total(self, state: _Key) -> np.ndarray:
+        if self.reproducible:
+            total = state.total
+        else:
+            total = state.first if state.count == 1 else state.acc
+        self._clear(state)
+        return total
+
+    def _clear(self, state: _Key) -> None:
+        state.first = state.acc = state.total = None
+        state.count = 0
+        self._open.discard(state.name)
+
     def _advance(self, state: _Key, now: float, actions: list) -> None:
         while self._complete(state) and (state.dead_from is None or state.done < state.dead_from):
-            total = state.first if state.count == 1 else state.acc
-            state.first = state.acc = None
-            state.count = 0
-            self._open.discard(state.name)
-            actions.append(Apply(state.name, total, accumulate=False))
+            actions.append(Apply(state.name, self._take_total(state), accumulate=False))
             state.done += 1
             for request in state.waiting.pop(state.done, ()):
                 self._key_ready(request, actions)
-            for grad in state.queued.pop(state.done, ()):
-                self._add(state, grad, now)
+            for rank, grad in state.queued.pop(state.done, ()):
+                self._add(state, rank, grad, now)
 
     def _missing(self, state: _Key) -> list:
         return [
@@ -393,9 +485,8 @@ class Rounds:
         for n in [n for n in state.queued if n >= state.dead_from]:
             del state.queued[n]
         if state.done >= state.dead_from:
-            state.first = state.acc = None
-            state.count = 0
-            self._open.discard(state.name)
+            self._clear(state)
+            state.nodes = state.owned = None  # the tree of a round that failed half way
 
     def _key_ready(self, request, actions: list) -> None:
         left = self._requests.get(request)
@@ -414,6 +505,31 @@ class Rounds:
 
 def _kind(state: _Key) -> str:
     return "dist_sync" if state.staleness is None else "dist_ssp"
+
+
+_ZERO = object()  # a joined rank's leaf in the tree: left out of the sum
+
+
+def pairwise_sum(pushes: list) -> np.ndarray | None:
+    """The sum a reproducible round applies, from its pushes in rank order (``None``: a rank
+    that joined): the fixed pairwise tree over ranks ``0 .. W-1``. Level by level, ranks
+    ``(0, 1), (2, 3), ...`` are added, then those pairs in pairs, and so on; a node whose
+    right half holds no rank is its left half, and a node one of whose halves holds only
+    joined ranks is the other half, as is. What :class:`Rounds` computes, whatever the order
+    the pushes arrive in; the tests' reference.
+
+    >>> ones = [np.float32(x) for x in (1e8, 1, -1e8, 1)]
+    >>> float(pairwise_sum(ones)), float(ones[0] + ones[2] + ones[1] + ones[3])
+    (0.0, 2.0)
+    """
+    nodes = list(pushes)
+    while len(nodes) > 1:
+        pairs = []
+        for i in range(0, len(nodes), 2):
+            a, b = nodes[i], nodes[i + 1] if i + 1 < len(nodes) else None
+            pairs.append(a if b is None else b if a is None else a + b)
+        nodes = pairs
+    return nodes[0] if nodes else None
 
 
 def _mode(staleness: int | None) -> str:

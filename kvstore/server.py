@@ -98,7 +98,9 @@ class Server:
         self.num_workers = cfg.num_worker
         self.stored: dict[tuple, np.ndarray] = {}  # (key, part) -> flat value
         self.sending: dict[tuple, list] = {}  # (key, part) -> sends still reading it
-        self.rounds = Rounds(self.num_workers, cfg.round_timeout, describe=_show)
+        self.rounds = Rounds(
+            self.num_workers, cfg.round_timeout, describe=_show, reproducible=cfg.reproducible
+        )
         self.updater: opt.Updater | None = None
         self.optimizer_spec: dict | None = None
         self.rank = -1

@@ -176,3 +176,21 @@ def test_sparse_benchmark_smoke():
     assert ("zmq", "step") in seen
     assert all(r["median"] > 0 for r in rows)
     assert "vs zmq" in done.stdout
+
+
+def test_sum_order_smoke():
+    script = str(ROOT / "benchmarks" / "sum_order.py")
+    done = subprocess.run(
+        [sys.executable, script, "-w", "1,3", "--sizes", "4K", "--budget", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "4K"), ("3", "4K")], done.stdout
+    one = subprocess.run(
+        [sys.executable, script, "--mode", "on", "--rounds", "3", "-w", "5"], timeout=120, cwd=ROOT
+    )
+    assert one.returncode == 0

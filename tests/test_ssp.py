@@ -33,9 +33,9 @@ SIZES = {"a": 2, "b": 3}
 class Model:
     """The server as the rounds direct it, and the sequential model to check it against."""
 
-    def __init__(self, workers: int, staleness: int | None, updater: bool):
+    def __init__(self, workers: int, staleness: int | None, updater: bool, reproducible=True):
         self.W, self.s, self.updater = workers, staleness, updater
-        self.rounds = Rounds(workers, round_timeout=0)
+        self.rounds = Rounds(workers, round_timeout=0, reproducible=reproducible)
         for key in SIZES:
             self.rounds.add_key(key)
         self.stored = {k: np.arange(n, dtype=np.float64) + 1 for k, n in SIZES.items()}
@@ -116,10 +116,12 @@ def _grad(data, key: str) -> np.ndarray:
 
 
 @settings(max_examples=300, deadline=None)
-@given(programs(), st.booleans(), st.data())
-def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(scn, updater, data):
+@given(programs(), st.booleans(), st.booleans(), st.data())
+def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(
+    scn, updater, reproducible, data
+):
     workers, s, steps = scn
-    m = Model(workers, s, updater)
+    m = Model(workers, s, updater, reproducible)
     ops = []
     for _ in range(workers):
         mine = []
@@ -182,7 +184,7 @@ def test_every_read_is_within_the_bound_and_nobody_runs_further_ahead(scn, updat
             assert c - s <= done <= c, (kind, rank, key, c, done)
             np.testing.assert_array_equal(value, m.expected(key, done))
     if s == 0:  # the same events through dist_sync's rules say the same
-        sync = Model(workers, None, updater)
+        sync = Model(workers, None, updater, reproducible)
         for kind, q, rank, payload in m.events:
             if kind == "join":
                 sync._run(sync.rounds.joined(rank, 0.0))
