@@ -158,8 +158,9 @@ class Planner:
             for leg in self.route(tuple(keys), False)
         ]
 
-    def init(self, keys, flats) -> list[Outgoing]:
-        return self._with_values("init", keys, flats, {}, None, None)
+    def init(self, keys, flats, members=None) -> list[Outgoing]:
+        body = {} if members is None else {"members": list(members)}
+        return self._with_values("init", keys, flats, body, None, None)
 
     def push(
         self, kind: str, keys, flats, sync: bool, compression=None, residuals=None

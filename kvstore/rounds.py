@@ -112,6 +112,8 @@ class _Key:
     dead_from: int | None = None  # rounds from this one on can never complete
     dead_why: str = ""
     staleness: int | None = None  # dist_ssp's bound, from its first request (None: dist_sync)
+    members: tuple | None = None  # a group's key: only these ranks push it (None: every rank)
+    outsiders: frozenset = frozenset()  # the ranks not in ``members``: never in its rounds
 
 
 class Rounds:
@@ -143,10 +145,16 @@ class Rounds:
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
     # ---- keys
-    def add_key(self, key: Hashable) -> None:
+    def add_key(self, key: Hashable, members=None) -> None:
+        """``members``: the ranks of a group's key (Horovod's process sets): its rounds are
+        complete when every member has pushed; other ranks may not push or pull it."""
         if key in self.keys:
             raise ValueError(f"key {key!r} is already initialised")
-        self.keys[key] = _Key(key, [0] * self.num_workers, last_push=[-1.0] * self.num_workers)
+        state = _Key(key, [0] * self.num_workers, last_push=[-1.0] * self.num_workers)
+        if members is not None:
+            state.members = tuple(sorted(members))
+            state.outsiders = frozenset(range(self.num_workers)) - set(members)
+        self.keys[key] = state
 
     def give_back(self, key: Hashable, buffer: np.ndarray) -> None:
         """Offer a writable buffer that nobody reads any more (e.g. the value an
@@ -168,7 +176,7 @@ class Rounds:
         self._requests[request] = len(grads)
         for key, grad in grads:
             state = self.keys[key]
-            wrong = self._check_staleness(state, rank, staleness)
+            wrong = self._check_staleness(state, rank, staleness) or self._check_member(state, rank)
             if wrong:
                 self._fail(request, wrong, actions)
                 continue
@@ -213,7 +221,7 @@ class Rounds:
         self._requests[request] = len(keys)
         for key in keys:
             state = self.keys[key]
-            wrong = self._check_staleness(state, rank, staleness)
+            wrong = self._check_staleness(state, rank, staleness) or self._check_member(state, rank)
             if wrong:
                 self._fail(request, wrong, actions)
                 continue
@@ -244,7 +252,12 @@ class Rounds:
         self.joined_ranks.add(rank)
         for key in list(self._open):
             state = self.keys[key]
-            if new and self.reproducible and state.pushed[rank] <= state.done:
+            if (
+                new
+                and self.reproducible
+                and state.pushed[rank] <= state.done
+                and rank not in state.outsiders
+            ):
                 self._place(state, rank, _ZERO, False)  # it will not push the open round
             self._advance(state, now, actions)
         if len(self.joined_ranks) == self.num_workers:
@@ -340,14 +353,25 @@ class Rounds:
             "create the same store type with the same KVSTORE_STALENESS"
         )
 
+    def _check_member(self, state: _Key, rank: int) -> str:
+        if rank not in state.outsiders:
+            return ""
+        return (
+            f"worker {rank} used key {self.describe(state.name)} of the group of ranks "
+            f"{list(state.members)}: only its members push or pull it"
+        )
+
     def _add(self, state: _Key, rank: int, grad: np.ndarray, now: float) -> None:
         if state.count == 0:
             state.started = now
             self._open.add(state.name)
         state.count += 1
         if self.reproducible:
-            if state.count == 1 and self.joined_ranks:  # a round opens: joined ranks are out
-                for r in self.joined_ranks:
+            if state.count == 1 and (self.joined_ranks or state.outsiders):
+                # a round opens: joined ranks and those outside a group's key are out
+                for r in state.outsiders:
+                    self._place(state, r, _ZERO, False)
+                for r in self.joined_ranks - state.outsiders:
                     if state.pushed[r] <= state.done:
                         self._place(state, r, _ZERO, False)
             self._place(state, rank, grad, False)
@@ -414,10 +438,12 @@ class Rounds:
             return False
         if self.reproducible:  # the root is in once every rank's leaf is
             return state.total is not None
+        out = state.outsiders
         if not self.joined_ranks:  # each rank adds one push to a round: count them
-            return state.count == self.num_workers
+            return state.count == self.num_workers - len(out)
         return all(
-            n > state.done or rank in self.joined_ranks for rank, n in enumerate(state.pushed)
+            n > state.done or rank in self.joined_ranks or rank in out
+            for rank, n in enumerate(state.pushed)
         )
 
     def _take_total(self, state: _Key) -> np.ndarray:
@@ -444,7 +470,9 @@ class Rounds:
 
     def _missing(self, state: _Key) -> list:
         return [
-            r for r, n in enumerate(state.pushed) if n <= state.done and r not in self.joined_ranks
+            r
+            for r, n in enumerate(state.pushed)
+            if n <= state.done and r not in self.joined_ranks and r not in state.outsiders
         ]
 
     def _present(self, state: _Key) -> list:
@@ -455,7 +483,7 @@ class Rounds:
         gone = [
             (n, r)
             for r, n in enumerate(state.pushed)
-            if r in self.finished_ranks and r not in self.joined_ranks
+            if r in self.finished_ranks and r not in self.joined_ranks and r not in state.outsiders
         ]
         if not gone:
             return False

@@ -439,15 +439,28 @@ class Server:
         return keys
 
     def _on_init(self, identity, rank, msg) -> None:
+        """``members``: a group's keys, which every member initialises (no barrier across all
+        workers): the first init creates a key, the same init again is answered as done."""
         keys = [tuple(k) for k in msg.body["keys"]]
-        for key in keys:
-            if key in self.stored:
+        members = _members_of(msg.body.get("members"), rank, self.num_workers)
+        fresh = []
+        for key, array in zip(keys, msg.arrays, strict=True):
+            if key not in self.stored:
+                fresh.append((key, array))
+                continue
+            same = (
+                members is not None
+                and self.rounds.keys[key].members == members
+                and self.stored[key].size == array.size
+                and self.stored[key].dtype == array.dtype
+            )
+            if not same:
                 raise ValueError(f"key {_show(key)} is already initialised")
         if len(set(keys)) != len(keys):
             raise ValueError("a key appears twice in one request")
-        for key, array in zip(keys, msg.arrays, strict=True):
+        for key, array in fresh:
             self.stored[key] = np.array(array.reshape(-1))  # our own, writable copy
-            self.rounds.add_key(key)
+            self.rounds.add_key(key, members)
             root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
             if root is not None:
                 self._roots[key] = int(root[1])
@@ -745,6 +758,26 @@ class Server:
         kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
         # the rows are gathered copies, never written again: no trackers
         self._send(req.identity, Message(kind, msg.id, self.name, body, arrays), track=False)
+
+
+def _members_of(raw, rank: int, num_workers: int) -> tuple | None:
+    """An init's group of ranks, checked: sorted, distinct, in range, the sender's among them."""
+    if raw is None:
+        return None
+    if (
+        not isinstance(raw, list)
+        or not raw
+        or any(type(r) is not int or not 0 <= r < num_workers for r in raw)
+        or sorted(set(raw)) != raw
+    ):
+        raise ValueError(
+            f"members: expected sorted distinct ranks in [0, {num_workers}), got {raw!r:.80}"
+        )
+    if rank not in raw:
+        raise ValueError(
+            f"members: worker {rank} initialises a key of the group {raw}, not its own"
+        )
+    return tuple(raw)
 
 
 def _staleness(msg: Message) -> int | None:

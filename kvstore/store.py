@@ -264,10 +264,21 @@ class KVStore:
             )
 
     # ---- public API
-    def init(self, key, value) -> None:
+    def init(self, key, value, members=None) -> None:
         """Initialise each key once with a value; every worker calls it (rank 0's value wins).
         A :class:`~kvstore.sparse.RowSparse` value makes a row-sparse key (see
-        :meth:`init_rows`)."""
+        :meth:`init_rows`).
+
+        ``members`` (a list of ranks, this worker's among them) makes a group's keys, as
+        Horovod's process sets need: only the members call ``init`` (no barrier with the
+        others), the first to reach a server creates a key (give every member the same
+        value), and only they push and pull it; a round is complete once every member pushed.
+
+        >>> kv.init("grad.ps1", np.zeros(4), members=[0, 2])  # on ranks 0 and 2  # doctest: +SKIP
+        """
+        group = self._group(members)
+        if group is not None and _holds_rows(value):
+            raise ValueError("init: members= is for dense keys; a row-sparse key has all workers")
         if _holds_rows(value):
             self._split_rows("init", key, value, None)
             return
@@ -283,11 +294,34 @@ class KVStore:
             shapes = {tuple(a.shape) for a in item.values}
             if len(shapes) > 1:
                 raise ValueError(f"init(key={item.key!r}): arrays of different shapes {shapes}")
-        self._init(items)
+        if group is None:
+            self._init(items)
+        else:
+            self._init(items, group)
         for item in items:
             first = item.values[0]
             self._meta[item.key] = Meta(tuple(first.shape), np.dtype(first.dtype))
             self._key_kind = type(item.key)
+
+    def _group(self, members) -> tuple | None:
+        if members is None:
+            return None
+        ranks = list(members) if isinstance(members, (list, tuple)) else None
+        if (
+            not ranks
+            or any(type(r) is not int or not 0 <= r < self.num_workers for r in ranks)
+            or len(set(ranks)) != len(ranks)
+        ):
+            raise ValueError(
+                f"init: members= must be distinct ranks in [0, {self.num_workers}), got "
+                f"{members!r:.80}"
+            )
+        if self.rank not in ranks:
+            raise ValueError(
+                f"init: worker {self.rank} is not in members={sorted(ranks)}: only the members "
+                "of a group initialise its keys"
+            )
+        return tuple(sorted(ranks))
 
     def push(self, key, value, priority: int = 0) -> None:
         """Push one array or one per device per key; the arrays of a key are summed first."""
@@ -688,7 +722,7 @@ class KVStore:
             raise ValueError(f"_send_command_to_servers: {name} ({head}) is not supported")
 
     # ---- to implement
-    def _init(self, items):
+    def _init(self, items, members=None):
         raise NotImplementedError
 
     def _push(self, items):
@@ -727,7 +761,7 @@ class LocalStore(KVStore):
         self._updater = None
         self._residuals: dict = {}
 
-    def _init(self, items):
+    def _init(self, items, members=None):  # one worker: a group of it is every worker
         for item in items:
             first = item.values[0]
             target = device_id(first) if self._on_device else -1

@@ -507,10 +507,16 @@ class DistStore(KVStore):
         collector.finish()
 
     # ---- the store operations
-    def _init(self, items):
+    def _init(self, items, members=None):
         for item in items:
             first = item.values[0]
             self._planner.add_key(item.key, first.size, first.dtype)
+        if members is not None:  # every member initialises a group's keys: no barrier
+            keys = [item.key for item in items]
+            flats = [self._flat(item.values[:1]) for item in items]
+            ids, _ = self._commit("init", self._planner.init(keys, flats, members))
+            self._wait("init", ids)
+            return
         if self._rank == 0:
             keys = [item.key for item in items]
             flats = [self._flat(item.values[:1]) for item in items]
