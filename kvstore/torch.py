@@ -46,7 +46,10 @@ return a handle for :func:`poll` and :func:`synchronize`. ``broadcast_object``,
 ``allgather_object`` and ``broadcast_optimizer_state`` serialise with pickle, between the
 workers of one job (as Horovod's cloudpickle); the servers only ever see bytes.
 
-Process sets: only the global one (a server completes a round when every worker pushed).
+Process sets (Horovod's, :func:`add_process_set`): a set's collectives use the store's keys
+of a group, made by the set's members alone (``kv.init(..., members=ranks)``), whose rounds
+complete when every member pushed; keys are named by the set's ranks (``kvt.ps0-2.``), ranks
+and sizes are the set's, ``root_rank`` a global rank, as Horovod's.
 Adasum: ``allreduce`` gathers and combines on each worker; DistributedOptimizer's is not
 supported (NotImplementedError).
 
@@ -290,7 +293,9 @@ class _State:
         self.local_rank = 0
         self.local_size = 1
         self.keys: set = set()  # keys initialised in the store (read in the comm thread)
-        self.optimizers = 0
+        self.optimizers: collections.Counter = collections.Counter()  # per key prefix
+        self.process_sets: dict = {}  # process_set_id -> its ranks (a sorted tuple)
+        self.process_set_ids = itertools.count(1)
         self.handles: dict = {}  # handle -> (Future, finish) of the *_async calls in flight
         self.handle_ids = itertools.count(1)
         self.tracer: timeline.Tracer | None = None  # start_timeline's (set in the comm thread)
@@ -310,11 +315,15 @@ def _require() -> _State:
 
 
 class ProcessSet:
-    """Horovod's process set: a list of global ranks. Only :data:`global_process_set` (every
-    worker) runs collectives here: a server completes a round once every worker has pushed
-    (or joined), so a subset of the workers cannot reduce by itself.
+    """Horovod's process set: a list of global ranks that run collectives together. Make it
+    with :func:`add_process_set` (or ``hvd.init(process_sets=[...])``) on every worker, in
+    the same order, then pass ``process_set=`` to a collective: only the set's members call
+    it (a non-member raises ValueError before sending anything). Its keys are the store's
+    keys of a group (``kv.init(..., members=ranks)``): a round completes when every member
+    has pushed. ``root_rank`` stays a global rank, as Horovod's.
 
-    >>> hvd.allreduce(t, process_set=hvd.global_process_set)  # doctest: +SKIP
+    >>> evens = hvd.add_process_set([0, 2])  # doctest: +SKIP
+    >>> if evens.included(): hvd.allreduce(t, process_set=evens)  # doctest: +SKIP
     """
 
     process_set_id = None
@@ -331,13 +340,26 @@ class ProcessSet:
             raise ValueError(f"ProcessSet: ranks must be ints, got {ranks!r}")
         self.ranks = ranks
 
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
     def size(self) -> int | None:
-        """The number of workers in the set; None if it was never added."""
-        return None if self.process_set_id is None else len(self.ranks)
+        """The number of workers in the set; None if it was never added (or was removed)."""
+        if self.process_set_id is None:
+            return None
+        return size() if self.process_set_id == 0 else len(_registered(self))
 
     def rank(self) -> int | None:
-        """This worker's rank within the set; None if it was never added."""
-        return None if self.process_set_id is None else self.ranks.index(rank())
+        """This worker's rank within the set (its index among the set's sorted ranks); None
+        if the set was never added. ValueError on a worker outside the set (as Horovod)."""
+        if self.process_set_id is None:
+            return None
+        if self.process_set_id == 0:
+            return rank()
+        ranks = _registered(self)
+        if rank() not in ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return ranks.index(rank())
 
     def included(self) -> bool | None:
         """Whether this worker is in the set."""
@@ -351,27 +373,97 @@ global_process_set = ProcessSet([])  # its ranks are every worker's, set by init
 global_process_set.process_set_id = 0
 
 
+def _registered(process_set: ProcessSet) -> tuple:
+    ranks = _require().process_sets.get(process_set.process_set_id)
+    if ranks is None or list(ranks) != process_set.ranks:
+        raise ValueError(
+            f"{process_set} does not exist or has not been registered: pass the object "
+            "hvd.add_process_set returned (or one given to hvd.init(process_sets=...))"
+        )
+    return ranks
+
+
 def add_process_set(process_set) -> ProcessSet:
-    """Not supported: raises NotImplementedError (see :class:`ProcessSet`)."""
-    raise NotImplementedError(
-        "add_process_set: kvstore.torch runs collectives over all workers only (a server "
-        "completes a round when every worker has pushed); use hvd.global_process_set"
-    )
+    """Add a process set (a :class:`ProcessSet` or a list of ranks) and return it, its
+    ``process_set_id`` set. Every worker calls it, in the same order (as Horovod's, which
+    needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; not here). No communication: the set's keys
+    are made by its members on first use. ValueError for a set of the same ranks as one
+    already added (the global set's included).
+
+    >>> evens = hvd.add_process_set([0, 2])  # doctest: +SKIP
+    """
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if not _add_set(process_set, "add_process_set"):
+        raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+    return process_set
+
+
+def _add_set(process_set: ProcessSet, what: str) -> bool:
+    """Register the set (False: one of the same ranks is there)."""
+    st = _require()
+    ranks, n = tuple(process_set.ranks), st.kv.num_workers
+    if not ranks or len(set(ranks)) != len(ranks) or not 0 <= ranks[0] <= ranks[-1] < n:
+        raise ValueError(f"{what}: expected distinct ranks in 0..{n - 1}, got {list(ranks)}")
+    if ranks == tuple(range(n)) or ranks in st.process_sets.values():
+        return False
+    process_set.process_set_id = next(st.process_set_ids)
+    st.process_sets[process_set.process_set_id] = ranks
+    return True
 
 
 def remove_process_set(process_set) -> bool:
-    """False, as Horovod answers for the global set and for a set never added (the only
-    kinds there are here)."""
-    return False
+    """Remove a set :func:`add_process_set` added (every worker calls it, as Horovod's) and
+    invalidate the object (``process_set_id`` None); False for the global set and for a
+    set not added. Its keys stay in the store (adding the same ranks again reuses them)."""
+    st = _require()
+    set_id = getattr(process_set, "process_set_id", None)
+    if not set_id or st.process_sets.get(set_id) != tuple(process_set.ranks):
+        return False
+    del st.process_sets[set_id]
+    process_set._invalidate()
+    return True
 
 
-def _check_process_set(process_set) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError(
-            f"process_set={process_set}: process sets other than hvd.global_process_set are not "
-            "supported (kvstore.torch runs collectives over all workers only); leave "
-            "process_set out"
+class _Group(NamedTuple):
+    """Who runs a collective: ``ranks`` (global, sorted), this worker's ``index`` among them,
+    the ``prefix`` of the group's keys, and ``members`` for ``kv.init`` (None: every worker,
+    the global set)."""
+
+    ranks: tuple
+    index: int
+    prefix: str
+    members: list | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def _group(process_set, what: str, members_only: bool = True) -> _Group | None:
+    """The group of ``process_set``; a ValueError for a set not added or (``members_only``)
+    on a worker outside it (else None there)."""
+    kv = _require().kv
+    if process_set is None or process_set is global_process_set:
+        return _Group(tuple(range(size())), rank(), "kvt.", None)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"{what}: process_set must be a hvd.ProcessSet, got {type(process_set).__name__}"
         )
+    ranks = _registered(process_set)
+    if kv.rank not in ranks:
+        if not members_only:
+            return None
+        raise ValueError(
+            f"{what}: rank {kv.rank} is not a member of the provided process set "
+            f"{process_set}; only its members call a collective on it"
+        )
+    # The keys are named by the ranks, not the id: the same on every member, whatever sets
+    # each worker added, and a set removed and added again finds its keys (same members).
+    tag = "-".join(map(str, ranks))
+    if len(ranks) > 16:
+        tag = f"{zlib.crc32(tag.encode()):08x}"
+    return _Group(ranks, ranks.index(kv.rank), f"kvt.ps{tag}.", list(ranks))
 
 
 # ---------------------------------------------------------------- init and identity
@@ -383,13 +475,20 @@ def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
     ``kv_store``: a store type or a :class:`KVStore` to use (its keys must be strings); by
     default ``dist_sync`` when started by ``launch.py`` (``DMLC_ROLE`` is set), else
     ``local`` (one process). Every worker calls it; a second call does nothing.
-    ``process_sets`` (Horovod's) beyond the global one raise NotImplementedError.
+    ``process_sets``: :class:`ProcessSet` objects to add (as :func:`add_process_set`, in
+    order; one of the same ranks as the global set or as an earlier one is left invalid, as
+    Horovod's); Horovod's ``"dynamic"`` is accepted (sets can always be added later).
 
     >>> import kvstore.torch as hvd; hvd.init(); hvd.size()  # doctest: +SKIP
     1
     """
-    if process_sets:
-        add_process_set(process_sets[0])
+    if process_sets == "dynamic":
+        process_sets = None
+    for ps in process_sets or ():
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(
+                f"init: process_sets must be hvd.ProcessSet objects, got {type(ps).__name__}"
+            )
     with _init_lock:
         if _state.comm is not None:
             return
@@ -411,12 +510,17 @@ def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
             )
         _state.kv, _state.owned, _state.keys = kv, owned, set()
         _state.handles, _state.tracer = {}, None
+        _state.optimizers.clear()
+        _state.process_sets, _state.process_set_ids = {}, itertools.count(1)
         _state.comm = _Comm(kv)
         # Registered after the store's own (atexit runs last first): the thread finishes
         # what is in flight and closes the store before anything else touches it.
         atexit.register(shutdown)
         global_process_set.ranks = list(range(kv.num_workers))
         _state.local_rank, _state.local_size = _local_ranks(kv)
+    for ps in process_sets or ():
+        if not _add_set(ps, "init"):
+            ps._invalidate()
 
 
 def _local_ranks(kv: KVStore) -> tuple[int, int]:
@@ -492,9 +596,13 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set=global_process_set) -> None:
-    """Wait until every worker has called ``barrier``."""
-    _check_process_set(process_set)
-    _require().comm.run(lambda kv: kv.barrier())
+    """Wait until every worker (of ``process_set``: every member) has called ``barrier``."""
+    g = _group(process_set, "barrier")
+    if g.members is None:
+        _require().comm.run(lambda kv: kv.barrier())
+    else:  # a round of a one-byte key of the set
+        one = np.zeros(1, np.uint8)
+        _sum(g, [_key(g, "barrier", None, one.dtype, one.shape)], [one])
 
 
 # What Horovod's build and runtime flags answer here: no MPI, Gloo, NCCL, DDL or oneCCL (the
@@ -596,60 +704,67 @@ def _handle(handle, what: str):
     return found
 
 
-def _key(kind: str, name, dtype: np.dtype, shape) -> str:
-    return f"kvt.{kind}.{'' if name is None else name}.{dtype.str}.{'x'.join(map(str, shape))}"
+def _key(g: _Group, kind: str, name, dtype: np.dtype, shape) -> str:
+    dims = "x".join(map(str, shape))
+    return f"{g.prefix}{kind}.{'' if name is None else name}.{dtype.str}.{dims}"
 
 
-def _ensure(kv: KVStore, keys: list, arrays: list) -> None:
-    """Initialise the keys not yet in the store (collective; in the comm thread)."""
+def _ensure(kv: KVStore, g: _Group, keys: list, arrays: list) -> None:
+    """Initialise the keys not yet in the store (collective over the group's workers; in the
+    comm thread)."""
     new = [(k, a) for k, a in zip(keys, arrays, strict=True) if k not in _state.keys]
     if new:
-        kv.init([k for k, _ in new], [np.zeros_like(a) for _, a in new])
+        zeros = [np.zeros_like(a) for _, a in new]
+        if g.members is None:
+            kv.init([k for k, _ in new], zeros)
+        else:
+            kv.init([k for k, _ in new], zeros, members=g.members)
         _state.keys.update(k for k, _ in new)
 
 
-def _sum_in(kv: KVStore, keys: list, arrays: list) -> None:
-    """Replace each array by its sum over the workers, in one call (in the comm thread)."""
+def _sum_in(kv: KVStore, g: _Group, keys: list, arrays: list) -> None:
+    """Replace each array by its sum over the group's workers, in one call (in the comm
+    thread)."""
     live = [(k, a) for k, a in zip(keys, arrays, strict=True) if a.size]
     if live:
         keys, arrays = [k for k, _ in live], [a for _, a in live]
-        _ensure(kv, keys, arrays)
+        _ensure(kv, g, keys, arrays)
         kv.pushpull(keys, arrays)
 
 
-def _sum(keys: list, arrays: list) -> None:
-    _require().comm.run(lambda kv: _sum_in(kv, keys, arrays))
+def _sum(g: _Group, keys: list, arrays: list) -> None:
+    _require().comm.run(lambda kv: _sum_in(kv, g, keys, arrays))
 
 
-def _gather_in(kv: KVStore, kind: str, name, host: np.ndarray) -> np.ndarray:
-    """Every worker's ``host`` (one shape on all), stacked in rank order: each worker's in
-    its own row of zeros, summed (exact: one worker writes each element)."""
-    rows = np.zeros((kv.num_workers, *host.shape), host.dtype)
-    rows[kv.rank] = host
-    _sum_in(kv, [_key(kind, name, rows.dtype, rows.shape)], [rows])
+def _gather_in(kv: KVStore, g: _Group, kind: str, name, host: np.ndarray) -> np.ndarray:
+    """Every group worker's ``host`` (one shape on all), stacked in rank order: each
+    worker's in its own row of zeros, summed (exact: one worker writes each element)."""
+    rows = np.zeros((g.size, *host.shape), host.dtype)
+    rows[g.index] = host
+    _sum_in(kv, g, [_key(g, kind, name, rows.dtype, rows.shape)], [rows])
     return rows
 
 
 _AGREE_BYTES = 256
 
 
-def _agree_in(kv: KVStore, what: str, entries: list) -> np.ndarray:
+def _agree_in(kv: KVStore, g: _Group, what: str, entries: list) -> np.ndarray:
     """Raise the same ValueError on every worker unless all passed the same (name, array)
     ``entries`` (names, dtypes, shapes): one small round before the data, so that no worker
     pushes into a key the others never push (which would wait for the round timeout).
     Returns which workers take part (a worker that joined pushes zeros: it is left out)."""
-    if kv.num_workers == 1:
+    if g.size == 1:
         return np.ones(1, bool)
     text = ", ".join(f"{n or '-'}: {a.dtype} {tuple(a.shape)}" for n, a in entries).encode()
     row = np.zeros(_AGREE_BYTES, np.uint8)
     row[:4] = np.frombuffer(zlib.crc32(text).to_bytes(4, "little"), np.uint8)
     shown = text[: _AGREE_BYTES - 4]
     row[4 : 4 + len(shown)] = np.frombuffer(shown, np.uint8)
-    rows = _gather_in(kv, "agree", None, row)
+    rows = _gather_in(kv, g, "agree", None, row)
     live = rows.any(axis=1)
     if (rows[live] == row).all():
         return live
-    got = "; ".join(f"rank {r}: [{_shown(row)}]" for r, row in enumerate(rows) if live[r])
+    got = "; ".join(f"rank {g.ranks[i]}: [{_shown(row)}]" for i, row in enumerate(rows) if live[i])
     raise ValueError(
         f"{what}: every worker must pass tensors of the same names, dtypes and shapes (in "
         f"the same order of calls); got {got}"
@@ -687,10 +802,15 @@ def _check_tensors(what: str, tensors) -> list:
     return list(tensors)
 
 
-def _check_root(root_rank) -> None:
+def _check_root(root_rank, g: _Group | None = None) -> None:
     n = size()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < n:
         raise ValueError(f"root_rank must be a rank in 0..{n - 1}, got {root_rank!r}")
+    if g is not None and root_rank not in g.ranks:
+        raise ValueError(
+            f"root_rank={root_rank} is not in the process set (ranks {list(g.ranks)}); "
+            "root_rank is a global rank (hvd.rank()), as in Horovod"
+        )
 
 
 # ---------------------------------------------------------------- allreduce
@@ -737,8 +857,10 @@ def _resolve_op(average, op):
     return op
 
 
-def _check_adasum(what: str, tensors: list) -> None:
-    n = size()
+def _check_adasum(what: str, tensors: list, g: _Group) -> None:
+    if g.members is not None:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    n = g.size
     if n & (n - 1):
         raise NotImplementedError(
             f"{what}: op=Adasum needs a power-of-2 number of workers (as Horovod's), not {n}"
@@ -748,29 +870,32 @@ def _check_adasum(what: str, tensors: list) -> None:
             raise TypeError(f"{what}: op=Adasum needs floating-point tensors, got {t.dtype}")
 
 
-def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor) -> _Work:
-    """The reduction of each tensor (already compressed) over the workers; finish: a list."""
+def _allreduce_work(what, tensors, names, op, prescale_factor, postscale_factor, ps) -> _Work:
+    """The reduction of each tensor (already compressed) over the workers of process set
+    ``ps``; finish: a list."""
+    g = _group(ps, what)
     for t in tensors:
         if t.dtype == torch.bool:
             raise TypeError(f"{what}: bool tensors cannot be reduced; cast to an integer type")
     if op == Adasum:
-        _check_adasum(what, tensors)
+        _check_adasum(what, tensors, g)
     hosts = [_host(t * prescale_factor if prescale_factor != 1.0 else t) for t in tensors]
     entries = list(zip(names, hosts, strict=True))
     reduce = _REDUCE.get(op)
 
     def job(kv):
-        live = _agree_in(kv, what, entries)
+        live = _agree_in(kv, g, what, entries)
         if reduce is None:
-            _sum_in(kv, [_key("allreduce", n, h.dtype, h.shape) for n, h in entries], hosts)
+            keys = [_key(g, "allreduce", n, h.dtype, h.shape) for n, h in entries]
+            _sum_in(kv, g, keys, hosts)
             return hosts
         return [
-            reduce(_gather_in(kv, "reduce", n, h)[live]).astype(h.dtype, copy=False)
+            reduce(_gather_in(kv, g, "reduce", n, h)[live]).astype(h.dtype, copy=False)
             for n, h in entries
         ]
 
     def finish(results):
-        divisor = size() if op == Average else 1
+        divisor = g.size if op == Average else 1
         scale = postscale_factor / divisor
         outs = []
         for t, r in zip(tensors, results, strict=True):
@@ -794,34 +919,38 @@ class _Allreduce(torch.autograd.Function):
     """Its gradient is the same reduction of the gradient (Horovod's definition)."""
 
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.args = (op, prescale_factor, postscale_factor)
-        work = _allreduce_work("allreduce", [tensor], [name], op, prescale_factor, postscale_factor)
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, ps):
+        ctx.args = (op, prescale_factor, postscale_factor, ps)
+        work = _allreduce_work(
+            "allreduce", [tensor], [name], op, prescale_factor, postscale_factor, ps
+        )
         return _run(work)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        op, pre, post = ctx.args
-        out = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post)
-        return out, None, None, None, None
+        op, pre, post, ps = ctx.args
+        out = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
+        return out, None, None, None, None, None
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.args = (op, prescale_factor, postscale_factor)
+    def forward(ctx, name, op, prescale_factor, postscale_factor, ps, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, ps)
         names = _grouped_names(name, len(tensors))
         work = _allreduce_work(
-            "grouped_allreduce", list(tensors), names, op, prescale_factor, postscale_factor
+            "grouped_allreduce", list(tensors), names, op, prescale_factor, postscale_factor, ps
         )
         return tuple(_run(work))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, pre, post = ctx.args
+        op, pre, post, ps = ctx.args
         grads = [g.contiguous() for g in grads]
-        out = grouped_allreduce(grads, op=op, prescale_factor=pre, postscale_factor=post)
-        return (None, None, None, None, *out)
+        out = grouped_allreduce(
+            grads, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
+        )
+        return (None, None, None, None, None, *out)
 
 
 def allreduce(
@@ -846,9 +975,9 @@ def allreduce(
     """
     op = _resolve_op(average, op)
     _check_tensor("allreduce", tensor)
-    _check_process_set(process_set)
+    _group(process_set, "allreduce")
     compressed, ctx = compression.compress(tensor)
-    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
 
 
@@ -868,9 +997,8 @@ def allreduce_async(
     """
     op = _resolve_op(average, op)
     _check_tensor("allreduce_async", tensor)
-    _check_process_set(process_set)
     work = _allreduce_work(
-        "allreduce", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+        "allreduce", [tensor.detach()], [name], op, prescale_factor, postscale_factor, process_set
     )
     return _start(_then(work, lambda outs: outs[0]))
 
@@ -888,9 +1016,8 @@ def allreduce_async_(
     ``tensor`` and returns it."""
     op = _resolve_op(average, op)
     _check_tensor("allreduce_async_", tensor)
-    _check_process_set(process_set)
     work = _allreduce_work(
-        "allreduce", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+        "allreduce", [tensor.detach()], [name], op, prescale_factor, postscale_factor, process_set
     )
     return _start(_then(work, lambda outs: _copy_into([tensor], outs)[0]))
 
@@ -935,12 +1062,12 @@ def grouped_allreduce(
     """
     op = _resolve_op(average, op)
     tensors = _check_tensors("grouped_allreduce", tensors)
-    _check_process_set(process_set)
+    _group(process_set, "grouped_allreduce")
     if not tensors:
         return []
     compressed = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(
-        name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed]
+        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
     )
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
 
@@ -1012,10 +1139,9 @@ def grouped_allreduce_(
 def _grouped_allreduce_work(what, tensors, average, name, op, pre, post, process_set) -> _Work:
     op = _resolve_op(average, op)
     tensors = _check_tensors(what, tensors)
-    _check_process_set(process_set)
     detached = [t.detach() for t in tensors]
     names = _grouped_names(name, len(tensors))
-    return _allreduce_work("grouped_allreduce", detached, names, op, pre, post)
+    return _allreduce_work("grouped_allreduce", detached, names, op, pre, post, process_set)
 
 
 # ---------------------------------------------------------------- allgather and alltoall
@@ -1023,24 +1149,24 @@ def _grouped_allreduce_work(what, tensors, average, name, op, pre, post, process
 _GATHER_DIMS = 8
 
 
-def _allgather_in(kv: KVStore, what: str, hosts: list, names: list) -> list:
-    """Every worker's arrays concatenated along dimension 0, for each position of ``hosts``
-    (in the comm thread): one round for the shapes, one for the data."""
-    me, n = kv.rank, kv.num_workers
+def _allgather_in(kv: KVStore, g: _Group, what: str, hosts: list, names: list) -> list:
+    """Every group worker's arrays concatenated along dimension 0, for each position of
+    ``hosts`` (in the comm thread): one round for the shapes, one for the data."""
+    me, n = g.index, g.size
     shapes = np.zeros((n, len(hosts), _GATHER_DIMS), np.int64)
     for i, h in enumerate(hosts):
         shapes[me, i, :2] = [zlib.crc32(h.dtype.str.encode()), h.ndim]
         shapes[me, i, 2 : 2 + h.ndim] = h.shape
-    _sum_in(kv, [_key("allgather.shapes", None, shapes.dtype, shapes.shape)], [shapes])
+    _sum_in(kv, g, [_key(g, "allgather.shapes", None, shapes.dtype, shapes.shape)], [shapes])
     totals = []
     for i, h in enumerate(hosts):
         mine = shapes[:, i]
         live = mine.any(axis=1)  # a worker that joined sent zeros: no rows
         if len({tuple(row[:2]) + tuple(row[3:]) for row in mine[live]}) > 1:
             described = ", ".join(
-                f"rank {r}: {tuple(int(d) for d in row[2 : 2 + row[1]])}"
-                for r, row in enumerate(mine)
-                if live[r]
+                f"rank {g.ranks[i]}: {tuple(int(d) for d in row[2 : 2 + row[1]])}"
+                for i, row in enumerate(mine)
+                if live[i]
             )
             dtypes = "differ" if len({row[0] for row in mine[live]}) > 1 else "match"
             raise ValueError(
@@ -1052,12 +1178,12 @@ def _allgather_in(kv: KVStore, what: str, hosts: list, names: list) -> list:
         total = np.zeros((int(rows.sum()), *h.shape[1:]), h.dtype)
         total[start : start + h.shape[0]] = h
         totals.append(total)
-    keys = [_key("allgather", nm, t.dtype, t.shape) for nm, t in zip(names, totals, strict=True)]
+    keys = [_key(g, "allgather", nm, t.dtype, t.shape) for nm, t in zip(names, totals, strict=True)]
     if len(set(keys)) != len(keys):
         raise ValueError(
             f"{what}: duplicate names {sorted({k for k in keys if keys.count(k) > 1})}"
         )
-    _sum_in(kv, keys, totals)
+    _sum_in(kv, g, keys, totals)
     return totals
 
 
@@ -1068,7 +1194,8 @@ def _gather_host(what: str, tensor: torch.Tensor) -> np.ndarray:
     return _host(t)
 
 
-def _allgather_work(what: str, tensors: list, names: list) -> _Work:
+def _allgather_work(what: str, tensors: list, names: list, ps) -> _Work:
+    g = _group(ps, what)
     hosts = [_gather_host(what, t) for t in tensors]
 
     def finish(totals):
@@ -1078,23 +1205,28 @@ def _allgather_work(what: str, tensors: list, names: list) -> _Work:
         ]
 
     work_name = names[0] if len(names) == 1 else str(names)
-    return _Work(what, work_name, lambda kv: _allgather_in(kv, what, hosts, names), finish)
+    return _Work(what, work_name, lambda kv: _allgather_in(kv, g, what, hosts, names), finish)
 
 
 class _Allgather(torch.autograd.Function):
     """Gradient (Horovod's): the gradient averaged over the workers, this worker's rows."""
 
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows, ctx.shape = (1 if tensor.dim() == 0 else tensor.shape[0]), tensor.shape
-        return _run(_allgather_work("allgather", [tensor], [name]))[0]
+    def forward(ctx, tensor, name, ps):
+        ctx.rows, ctx.shape, ctx.ps = (
+            (1 if tensor.dim() == 0 else tensor.shape[0]),
+            tensor.shape,
+            ps,
+        )
+        return _run(_allgather_work("allgather", [tensor], [name], ps))[0]
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad.contiguous(), op=Average)
-        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64))
-        offset = int(rows[: rank()].sum())
-        return reduced.narrow(0, offset, ctx.rows).reshape(ctx.shape), None
+        ps = ctx.ps
+        reduced = allreduce(grad.contiguous(), op=Average, process_set=ps)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64), process_set=ps)
+        offset = int(rows[: _group(ps, "allgather").index].sum())
+        return reduced.narrow(0, offset, ctx.rows).reshape(ctx.shape), None, None
 
 
 def allgather(
@@ -1109,8 +1241,8 @@ def allgather(
     tensor([0, 1])
     """
     _check_tensor("allgather", tensor)
-    _check_process_set(process_set)
-    return _Allgather.apply(tensor, name)
+    _group(process_set, "allgather")
+    return _Allgather.apply(tensor, name, process_set)
 
 
 def allgather_async(
@@ -1118,8 +1250,8 @@ def allgather_async(
 ) -> int:
     """:func:`allgather`, started: :func:`synchronize` returns the result."""
     _check_tensor("allgather_async", tensor)
-    _check_process_set(process_set)
-    return _start(_then(_allgather_work("allgather", [tensor], [name]), lambda outs: outs[0]))
+    work = _allgather_work("allgather", [tensor], [name], process_set)
+    return _start(_then(work, lambda outs: outs[0]))
 
 
 def grouped_allgather(
@@ -1131,10 +1263,11 @@ def grouped_allgather(
     >>> xs, ys = hvd.grouped_allgather([x, y])  # doctest: +SKIP
     """
     tensors = _check_tensors("grouped_allgather", tensors)
-    _check_process_set(process_set)
+    _group(process_set, "grouped_allgather")
     if not tensors:
         return []
-    return _run(_allgather_work("grouped_allgather", tensors, _grouped_names(name, len(tensors))))
+    names = _grouped_names(name, len(tensors))
+    return _run(_allgather_work("grouped_allgather", tensors, names, process_set))
 
 
 def grouped_allgather_async(
@@ -1142,25 +1275,25 @@ def grouped_allgather_async(
 ) -> int:
     """:func:`grouped_allgather`, started: :func:`synchronize` returns the list."""
     tensors = _check_tensors("grouped_allgather_async", tensors)
-    _check_process_set(process_set)
     names = _grouped_names(name, len(tensors))
-    return _start(_allgather_work("grouped_allgather", tensors, names))
+    return _start(_allgather_work("grouped_allgather", tensors, names, process_set))
 
 
-def allgather_object(obj, name: str | None = None) -> list:
-    """Every worker's ``obj``, in rank order (pickled between the workers of this job).
+def allgather_object(obj, name: str | None = None, process_set=global_process_set) -> list:
+    """Every worker's ``obj``, in rank order (pickled between the workers of this job); with
+    ``process_set`` (not in Horovod's), every member's.
 
     >>> hvd.allgather_object({"rank": hvd.rank()})  # doctest: +SKIP
     [{'rank': 0}, {'rank': 1}]
     """
-    _require()
+    g = _group(process_set, "allgather_object")
     name = type(obj).__name__ if name is None else name
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     lengths = np.array([len(data)], np.int64)
     work = _Work(
         "allgather_object",
         name,
-        lambda kv: _allgather_in(kv, "allgather_object", [lengths, data], [name + ".sz", name]),
+        lambda kv: _allgather_in(kv, g, "allgather_object", [lengths, data], [name + ".sz", name]),
         lambda totals: totals,
     )
     lengths, gathered = _run(work)
@@ -1171,8 +1304,8 @@ def allgather_object(obj, name: str | None = None) -> list:
     ]
 
 
-def _alltoall_splits(tensor: torch.Tensor, splits) -> np.ndarray:
-    n, rows = size(), (tensor.shape[0] if tensor.dim() else 0)
+def _alltoall_splits(tensor: torch.Tensor, splits, n: int) -> np.ndarray:
+    rows = tensor.shape[0] if tensor.dim() else 0
     if tensor.dim() == 0:
         raise ValueError("alltoall: expected a tensor of at least one dimension, got a 0-d one")
     if splits is None:
@@ -1195,14 +1328,15 @@ def _alltoall_splits(tensor: torch.Tensor, splits) -> np.ndarray:
     return counts.astype(np.int64)
 
 
-def _alltoall_work(tensor: torch.Tensor, splits, name) -> _Work:
-    counts = _alltoall_splits(tensor, splits)
+def _alltoall_work(tensor: torch.Tensor, splits, name, ps) -> _Work:
+    g = _group(ps, "alltoall")
+    counts = _alltoall_splits(tensor, splits, g.size)
     sent = _host(tensor.detach()[: int(counts.sum())])
     names = [name, None if name is None else f"{name}.splits"]
 
     def job(kv):
-        data, table = _allgather_in(kv, "alltoall", [sent, counts.reshape(1, -1)], names)
-        me = kv.rank
+        data, table = _allgather_in(kv, g, "alltoall", [sent, counts.reshape(1, -1)], names)
+        me = g.index
         starts = np.concatenate([[0], np.cumsum(table.sum(axis=1))])
         pieces = [
             data[starts[s] + table[s, :me].sum() :][: table[s, me]] for s in range(len(table))
@@ -1221,23 +1355,25 @@ class _Alltoall(torch.autograd.Function):
     splits."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        out, received = _run(_alltoall_work(tensor, splits, name))
-        ctx.received = received
+    def forward(ctx, tensor, splits, name, ps):
+        out, received = _run(_alltoall_work(tensor, splits, name, ps))
+        ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _):
-        return alltoall(grad.contiguous(), splits=ctx.received)[0], None, None
+        back = alltoall(grad.contiguous(), splits=ctx.received, process_set=ctx.ps)[0]
+        return back, None, None, None
 
 
 def alltoall(
     tensor: torch.Tensor, splits=None, name: str | None = None, process_set=global_process_set
 ):
-    """Send ``splits[i]`` rows of ``tensor`` (in order, along dimension 0) to worker i and
-    return the rows every worker sent here, in rank order. Without ``splits`` the first
-    dimension is split equally (it must be a multiple of ``size()``). With ``splits``,
+    """Send ``splits[i]`` rows of ``tensor`` (in order, along dimension 0) to worker i (with
+    ``process_set``: to the set's i-th member) and return the rows every worker sent here,
+    in rank order. Without ``splits`` the first dimension is split equally (it must be a
+    multiple of ``size()``, or of the set's size). With ``splits``,
     returns ``(rows, received_splits)``, the rows and an int32 tensor of how many came from
     each worker (as Horovod). Built on allgather (every worker's rows reach every worker).
     Differentiable.
@@ -1245,8 +1381,8 @@ def alltoall(
     >>> rows, received = hvd.alltoall(t, splits=[1, 2])  # doctest: +SKIP
     """
     _check_tensor("alltoall", tensor)
-    _check_process_set(process_set)
-    out, received = _Alltoall.apply(tensor, splits, name)
+    _group(process_set, "alltoall")
+    out, received = _Alltoall.apply(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 
 
@@ -1256,8 +1392,7 @@ def alltoall_async(
     """:func:`alltoall`, started: :func:`synchronize` returns ``(rows, received_splits)``
     (as Horovod's, with or without ``splits``)."""
     _check_tensor("alltoall_async", tensor)
-    _check_process_set(process_set)
-    return _start(_alltoall_work(tensor, splits, name))
+    return _start(_alltoall_work(tensor, splits, name, process_set))
 
 
 # ---------------------------------------------------------------- reducescatter
@@ -1271,14 +1406,15 @@ def _scatter_rows(rows: int, n: int, r: int) -> tuple[int, int]:
     return start, start + base + (r < extra)
 
 
-def _reducescatter_work(what, tensors, names, op, pre, post) -> _Work:
+def _reducescatter_work(what, tensors, names, op, pre, post, ps) -> _Work:
     for t in tensors:
         if t.dim() == 0:
             raise ValueError(f"{what}: expected tensors of at least one dimension, got a 0-d one")
     if op not in (Average, Sum):
         raise ValueError(f"{what}: op={op!r}; expected hvd.Average or hvd.Sum")
-    work = _allreduce_work(what, tensors, names, op, pre, post)
-    n, me = size(), rank()
+    work = _allreduce_work(what, tensors, names, op, pre, post, ps)
+    g = _group(ps, what)
+    n, me = g.size, g.index
     return _then(work, lambda outs: [o[slice(*_scatter_rows(o.shape[0], n, me))] for o in outs])
 
 
@@ -1287,18 +1423,19 @@ class _Reducescatter(torch.autograd.Function):
     factors) gathered from every worker."""
 
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.scale = (size() if op == Sum else 1) * prescale_factor * postscale_factor
+    def forward(ctx, name, op, prescale_factor, postscale_factor, ps, *tensors):
+        n = _group(ps, "reducescatter").size
+        ctx.scale, ctx.ps = (n if op == Sum else 1) * prescale_factor * postscale_factor, ps
         names = [name] if len(tensors) == 1 else _grouped_names(name, len(tensors))
         work = _reducescatter_work(
-            "reducescatter", list(tensors), names, op, prescale_factor, postscale_factor
+            "reducescatter", list(tensors), names, op, prescale_factor, postscale_factor, ps
         )
         return tuple(_run(work))
 
     @staticmethod
     def backward(ctx, *grads):
         grads = [(g * ctx.scale if ctx.scale != 1 else g).contiguous() for g in grads]
-        return (None, None, None, None, *grouped_allgather(grads))
+        return (None, None, None, None, None, *grouped_allgather(grads, process_set=ctx.ps))
 
 
 def reducescatter(
@@ -1318,9 +1455,10 @@ def reducescatter(
     >>> mine = hvd.reducescatter(torch.ones(4, 3), op=hvd.Sum)  # doctest: +SKIP
     """
     _check_tensor("reducescatter", tensor)
-    _check_process_set(process_set)
+    _group(process_set, "reducescatter")
     compressed, ctx = compression.compress(tensor)
-    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, compressed)[0]
+    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, compressed)
+    out = out[0]
     return compression.decompress(out, ctx)
 
 
@@ -1335,12 +1473,12 @@ def grouped_reducescatter(
 ) -> list:
     """:func:`reducescatter` of every tensor of the list, in one call; returns a list."""
     tensors = _check_tensors("grouped_reducescatter", tensors)
-    _check_process_set(process_set)
+    _group(process_set, "grouped_reducescatter")
     if not tensors:
         return []
     compressed = [compression.compress(t) for t in tensors]
     outs = _Reducescatter.apply(
-        name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed]
+        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
     )
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
 
@@ -1355,9 +1493,14 @@ def reducescatter_async(
 ) -> int:
     """:func:`reducescatter`, started: :func:`synchronize` returns this worker's rows."""
     _check_tensor("reducescatter_async", tensor)
-    _check_process_set(process_set)
     work = _reducescatter_work(
-        "reducescatter", [tensor.detach()], [name], op, prescale_factor, postscale_factor
+        "reducescatter",
+        [tensor.detach()],
+        [name],
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
     )
     return _start(_then(work, lambda outs: outs[0]))
 
@@ -1372,12 +1515,17 @@ def grouped_reducescatter_async(
 ) -> int:
     """:func:`grouped_reducescatter`, started: :func:`synchronize` returns the list."""
     tensors = _check_tensors("grouped_reducescatter_async", tensors)
-    _check_process_set(process_set)
     names = _grouped_names(name, len(tensors))
     detached = [t.detach() for t in tensors]
     return _start(
         _reducescatter_work(
-            "grouped_reducescatter", detached, names, op, prescale_factor, postscale_factor
+            "grouped_reducescatter",
+            detached,
+            names,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
         )
     )
 
@@ -1385,9 +1533,11 @@ def grouped_reducescatter_async(
 # ---------------------------------------------------------------- broadcast
 
 
-def _broadcast_work(what: str, named: list, root_rank: int, kind: str) -> _Work:
+def _broadcast_work(what: str, named: list, root_rank: int, kind: str, ps) -> _Work:
     """Root's value of every tensor of ``named`` [(name, tensor)], in one call: the root's
-    tensor plus zeros from every other worker (exact)."""
+    tensor plus zeros from every other worker (exact). ``root_rank``: a global rank."""
+    g = _group(ps, what)
+    _check_root(root_rank, g)
     mine = rank() == root_rank
     hosts, keys = [], []
     for i, (name, tensor) in enumerate(named):
@@ -1395,14 +1545,14 @@ def _broadcast_work(what: str, named: list, root_rank: int, kind: str) -> _Work:
         if not mine:
             host = np.zeros_like(host)
         hosts.append(host)
-        keys.append(_key(kind, f"#{i}" if name is None else name, host.dtype, host.shape))
+        keys.append(_key(g, kind, f"#{i}" if name is None else name, host.dtype, host.shape))
     if len(set(keys)) != len(keys):
         raise ValueError(f"{kind}: duplicate names {sorted(k for k in keys if keys.count(k) > 1)}")
     entries = [(name, h) for (name, _), h in zip(named, hosts, strict=True)]
 
     def job(kv):
-        _agree_in(kv, what, entries)
-        _sum_in(kv, keys, hosts)
+        _agree_in(kv, g, what, entries)
+        _sum_in(kv, g, keys, hosts)
         return hosts
 
     def finish(results):
@@ -1416,14 +1566,16 @@ class _Broadcast(torch.autograd.Function):
     zeros elsewhere."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return _run(_broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast"))[0]
+    def forward(ctx, tensor, root_rank, name, ps):
+        ctx.root_rank, ctx.ps = root_rank, ps
+        work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast", ps)
+        return _run(work)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad.contiguous(), op=Average)
-        return (reduced if rank() == ctx.root_rank else torch.zeros_like(reduced)), None, None
+        reduced = allreduce(grad.contiguous(), op=Average, process_set=ctx.ps)
+        mine = rank() == ctx.root_rank
+        return (reduced if mine else torch.zeros_like(reduced)), None, None, None
 
 
 def broadcast(
@@ -1436,9 +1588,8 @@ def broadcast(
     >>> w = hvd.broadcast(w, root_rank=0)  # doctest: +SKIP
     """
     _check_tensor("broadcast", tensor)
-    _check_process_set(process_set)
-    _check_root(root_rank)
-    return _Broadcast.apply(tensor, root_rank, name)
+    _check_root(root_rank, _group(process_set, "broadcast"))
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 def broadcast_async(
@@ -1446,9 +1597,7 @@ def broadcast_async(
 ) -> int:
     """:func:`broadcast`, started: :func:`synchronize` returns the result."""
     _check_tensor("broadcast_async", tensor)
-    _check_process_set(process_set)
-    _check_root(root_rank)
-    work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast")
+    work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast", process_set)
     return _start(_then(work, lambda outs: outs[0]))
 
 
@@ -1458,9 +1607,7 @@ def broadcast_async_(
     """:func:`broadcast_async` in place: :func:`synchronize` writes the root's value into
     ``tensor`` and returns it."""
     _check_tensor("broadcast_async_", tensor)
-    _check_process_set(process_set)
-    _check_root(root_rank)
-    work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast")
+    work = _broadcast_work("broadcast", [(name, tensor)], root_rank, "broadcast", process_set)
     return _start(_then(work, lambda outs: _copy_into([tensor], outs)[0]))
 
 
@@ -1496,7 +1643,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
             )
     if not items:
         return
-    values = _run(_broadcast_work("broadcast_parameters", items, root_rank, "param"))
+    values = _run(_broadcast_work("broadcast_parameters", items, root_rank, "param", None))
     with torch.no_grad():
         for (_, p), value in zip(items, values, strict=True):
             p.copy_(value)
@@ -1505,27 +1652,27 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
 def broadcast_object(
     obj, root_rank: int = 0, name: str | None = None, process_set=global_process_set
 ):
-    """``root_rank``'s ``obj`` on every worker (pickled between the workers of this job).
+    """``root_rank``'s ``obj`` on every worker (of ``process_set``; ``root_rank`` is a global
+    rank), pickled between the workers of this job.
 
     >>> epoch = hvd.broadcast_object(epoch, root_rank=0)  # doctest: +SKIP
     """
-    _require()
-    _check_process_set(process_set)
-    _check_root(root_rank)
+    g = _group(process_set, "broadcast_object")
+    _check_root(root_rank, g)
     mine = rank() == root_rank
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
     # The bytes every worker unpickles are the root's alone: on keys under root_only(root) the
     # servers count any other rank's push as zeros, so no other worker can change them.
     root = root_only(root_rank)
     length = np.array([len(data)], np.int64)
-    _sum([root + _key("object.length", name, length.dtype, length.shape)], [length])
+    _sum(g, [root + _key(g, "object.length", name, length.dtype, length.shape)], [length])
     n = int(length[0])
     # Sizes rounded up to a power of two: few keys however many sizes are sent.
     capacity = 1 << max(6, (n - 1).bit_length())
     payload = np.zeros(capacity, np.uint8)
     if mine:
         payload[:n] = np.frombuffer(data, np.uint8)
-    _sum([root + _key("object", name, payload.dtype, payload.shape)], [payload])
+    _sum(g, [root + _key(g, "object", name, payload.dtype, payload.shape)], [payload])
     return obj if mine else pickle.loads(payload[:n].tobytes())
 
 
@@ -1561,7 +1708,9 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     W workers with B samples each normalise as one process with W x B samples; backward
     reduces the two sums the input's gradient needs (one more round). The weight's and
     bias's gradients stay this worker's (DistributedOptimizer averages them). Works on CPU
-    and CUDA tensors (Horovod's needs CUDA). Every worker must call it, in the same order.
+    and CUDA tensors (Horovod's needs CUDA). Every worker must call it, in the same order;
+    with ``process_set`` (as ``torch.nn.SyncBatchNorm``'s ``process_group``; not in
+    Horovod's), every member of the set, over the set's batches.
 
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), hvd.SyncBatchNorm(8))
     ... # doctest: +SKIP
@@ -1574,8 +1723,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
+        process_set=global_process_set,
     ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_set = process_set
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -1608,6 +1759,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             self.running_var if update else None,
             self.eps,
             factor,
+            self.process_set,
         )
 
 
@@ -1617,7 +1769,8 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, ps):
+        g = _group(ps, "SyncBatchNorm")
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         shape = [1, channels] + [1] * (x.dim() - 2)
@@ -1628,7 +1781,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         # Each worker's (count, mean, squared deviations), combined exactly (Chan et al.)
         row = np.concatenate([[count], mean.double().cpu().numpy(), m2.double().cpu().numpy()])
         rows = _run(
-            _Work("sync_batch_norm", None, lambda kv: _gather_in(kv, "bn", None, row), _same)
+            _Work("sync_batch_norm", None, lambda kv: _gather_in(kv, g, "bn", None, row), _same)
         )
         counts, means, m2s = rows[:, 0], rows[:, 1 : 1 + channels], rows[:, 1 + channels :]
         total = counts.sum()
@@ -1651,7 +1804,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         if bias is not None:
             out = out + bias.view(shape).to(xs)
         ctx.save_for_backward(xhat, weight, invstd)
-        ctx.total = float(total)
+        ctx.total, ctx.group = float(total), g
         return out.to(x.dtype)
 
     @staticmethod
@@ -1666,7 +1819,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             sums = _host(torch.cat([sum_dy, sum_dy_xhat]))
-            _sum([_key("bn.sums", None, sums.dtype, sums.shape)], [sums])
+            g = ctx.group
+            _sum(g, [_key(g, "bn.sums", None, sums.dtype, sums.shape)], [sums])
             g_dy = torch.from_numpy(sums[:channels]).view(shape)
             g_dy_xhat = torch.from_numpy(sums[channels:]).view(shape)
             scale = invstd if weight is None else invstd * weight.to(invstd)
@@ -1676,7 +1830,7 @@ class _SyncBatchNorm(torch.autograd.Function):
             grad_weight = sum_dy_xhat.to(weight.dtype)
         if weight is not None and ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(weight.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _same(result):
@@ -1764,15 +1918,18 @@ class _Bucket:
 class _DistributedMixin:
     """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`)."""
 
-    def _kvt_setup(self, named, compression, passes, op, predivide, bucket_bytes):
+    def _kvt_setup(self, named, compression, passes, op, predivide, bucket_bytes, group):
+        """``group``: the process set's (None on a worker outside it: no hooks, and
+        ``synchronize`` leaves the gradients alone, as Horovod's)."""
         st = _require()
+        self._kvt_group = group
         self._kvt_compression = compression
         # Horovod's own compressors are casts: copy_ into the wire buffer casts in the same
         # pass, and back; another compressor's compress and decompress run as given.
         self._kvt_casts = compression in (NoneCompressor, FP16Compressor)
         self._kvt_passes = passes
         self._kvt_prescale = 1.0 / predivide
-        self._kvt_postscale = predivide / st.kv.num_workers if op == Average else 1.0
+        self._kvt_postscale = predivide / group.size if op == Average and group else 1.0
         self._kvt_should_sync = True
         self._kvt_synchronized = False
         self._kvt_lock = threading.Lock()
@@ -1780,24 +1937,35 @@ class _DistributedMixin:
         params = list({id(p): p for p in params}.values())
         rows = [p for p in params if getattr(p, "_kvt_row_sparse", False)]  # row_sparse()
         params = [p for p in params if not getattr(p, "_kvt_row_sparse", False)]
+        if group is None:
+            params = rows = []
+        elif rows and group.members is not None:
+            raise NotImplementedError(
+                "DistributedOptimizer: row_sparse parameters with a process set other than "
+                "hvd.global_process_set are not supported (a row-sparse key has all workers)"
+            )
         self._kvt_names = {id(p): named[id(p)] for p in params}
         # Reverse order: backward produces the last layers' gradients first.
         groups: dict = {}
         for p in reversed(params):
             groups.setdefault((_wire_dtype(compression, p.dtype), p.dtype), []).append(p)
-        st.optimizers += 1
-        self._kvt_rows = _RowGrads(rows, st.optimizers) if rows else None
+        # Numbered per group: the same on every member, whatever other sets' optimizers are
+        index = 0
+        if group is not None:
+            st.optimizers[group.prefix] += 1
+            index = st.optimizers[group.prefix]
+        self._kvt_rows = _RowGrads(rows, index) if rows else None
         self._kvt_buckets: list[_Bucket] = []
         for (dtype, _), members in groups.items():
             current, nbytes = [], 0
             for p in members:
                 if current and nbytes + p.numel() * dtype.itemsize > bucket_bytes:
-                    self._kvt_add_bucket(st.optimizers, dtype, current)
+                    self._kvt_add_bucket(index, dtype, current)
                     current, nbytes = [], 0
                 current.append(p)
                 nbytes += p.numel() * dtype.itemsize
             if current:
-                self._kvt_add_bucket(st.optimizers, dtype, current)
+                self._kvt_add_bucket(index, dtype, current)
         self._kvt_where = {
             id(p): (b, i) for b in self._kvt_buckets for i, (p, _, _) in enumerate(b.slots)
         }
@@ -1805,7 +1973,7 @@ class _DistributedMixin:
         keys = [b.key for b in self._kvt_buckets]
         hosts = [b.host for b in self._kvt_buckets]
         if keys:
-            st.comm.run(lambda kv: _ensure(kv, keys, hosts))
+            st.comm.run(lambda kv: _ensure(kv, group, keys, hosts))
         me = weakref.ref(self)
         self._kvt_hooks = [
             p.register_post_accumulate_grad_hook(lambda p, me=me: me() and me()._kvt_hook(p))
@@ -1814,7 +1982,7 @@ class _DistributedMixin:
         weakref.finalize(self, _remove_hooks, self._kvt_hooks)
 
     def _kvt_add_bucket(self, index: int, dtype: np.dtype, params: list) -> None:
-        key = f"kvt.grad.{index}.{len(self._kvt_buckets)}"
+        key = f"{self._kvt_group.prefix}grad.{index}.{len(self._kvt_buckets)}"
         self._kvt_buckets.append(_Bucket(key, dtype, params))
 
     def _kvt_reset(self) -> None:
@@ -1879,7 +2047,11 @@ class _DistributedMixin:
     # -- Horovod's API
     def synchronize(self) -> None:
         """Wait for every gradient's average (sending the ones backward did not produce:
-        unused parameters count as zero) and write them into ``p.grad``."""
+        unused parameters count as zero) and write them into ``p.grad``. Nothing on a worker
+        outside the optimizer's process set."""
+        if self._kvt_group is None:
+            self._kvt_synchronized = True
+            return
         with self._kvt_lock:
             for b in self._kvt_buckets[self._kvt_next :]:
                 for p, _, _ in b.slots:
@@ -1989,13 +2161,13 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
     while backward runs. ``backward_passes_per_step=N`` accumulates N backward passes
     locally (summed, as Horovod) before communicating. ``Compression.fp16`` halves the bytes.
     ``num_groups`` and ``groups`` (Horovod's fusion groups) are accepted and ignored: buckets
-    play their part.
+    play their part. ``process_set``: average over its members only; on a worker outside it
+    the optimizer steps on its own gradients (as Horovod's).
 
     >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     ... # doctest: +SKIP
     """
-    _require()
-    _check_process_set(process_set)
+    group = _group(process_set, "DistributedOptimizer", members_only=False)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
@@ -2052,6 +2224,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
         op,
         gradient_predivide_factor,
         int(bucket_cap_mb * 2**20),
+        group,
     )
     return dist
 

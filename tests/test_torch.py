@@ -174,7 +174,7 @@ def test_allreduce_errors():
         hvd.allreduce(torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="sparse tensors"):
         hvd.allreduce(torch.ones(2).to_sparse())
-    with pytest.raises(NotImplementedError, match="process sets"):
+    with pytest.raises(TypeError, match="process_set must be a hvd.ProcessSet, got object"):
         hvd.allreduce(torch.ones(1), process_set=object())
 
 
@@ -347,10 +347,15 @@ def test_process_sets():
     assert hvd.allreduce(torch.ones(1), process_set=hvd.global_process_set).item() == 1
     hvd.barrier(process_set=hvd.global_process_set)
     subset = hvd.ProcessSet([0])
-    assert subset.size() is None and subset.included() and "ranks=[0]" in str(subset)
-    with pytest.raises(NotImplementedError, match="all workers only"):
+    assert subset.size() is None and subset.rank() is None
+    assert subset.included() and "ranks=[0]" in str(subset)
+    # one worker: the only set is the global one (process sets across workers:
+    # test_torch_dist.py)
+    with pytest.raises(ValueError, match="Attempted to add a duplicate process set"):
         hvd.add_process_set(subset)
-    with pytest.raises(NotImplementedError, match="process sets"):
+    with pytest.raises(ValueError, match=r"distinct ranks in 0\.\.0, got \[1\]"):
+        hvd.add_process_set([1])
+    with pytest.raises(ValueError, match="has not been registered"):
         hvd.allgather(torch.ones(1), process_set=subset)
     assert hvd.remove_process_set(subset) is False
     assert hvd.remove_process_set(hvd.global_process_set) is False
@@ -604,7 +609,7 @@ def test_distributed_optimizer_errors():
         ({"backward_passes_per_step": 1.5}, ValueError, "backward_passes_per_step must be"),
         ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
         ({"compression": "fp16"}, TypeError, "compression: expected hvd.Compression"),
-        ({"process_set": 1}, NotImplementedError, "process sets"),
+        ({"process_set": 1}, TypeError, "process_set must be a hvd.ProcessSet"),
         ({"named_parameters": [("a", p) for _, p in named]}, ValueError, "Found duplicates: a"),
         ({"named_parameters": named[:2]}, ValueError, "were not named"),
         ({"named_parameters": [p for _, p in named]}, ValueError, "sequence of tuples"),
