@@ -1,4 +1,5 @@
-"""kvstore.torch with W=2 workers through launch.py, against one process.
+"""kvstore.torch with W=2 workers through launch.py, against one process; process sets with
+W=3.
 
 One job (this file run as the worker script) trains every scenario and checks the
 collectives; the tests compare its saved weights with plain torch on one process with the
@@ -376,16 +377,184 @@ def worker(outdir: str) -> int:
     return 0  # no shutdown: the store closes at exit, as in a Horovod script
 
 
+# ---------------------------------------------------------------- process sets (W=3)
+
+PS_WORKERS = 3
+PS_SETS = {"A": [0, 2], "B": [1, 2]}  # rank 2 in both, ranks 0 and 1 in one each
+
+
+def ps_inputs(rank):
+    """Every worker's inputs to :func:`process_set_ops`, known to the test too."""
+    g = torch.Generator().manual_seed(300 + rank)
+    return {
+        "reduce": torch.randn(3, 2, generator=g),
+        "scatter": torch.randn(5, 2, generator=g),
+        "gather": torch.randn(rank + 1, 3, generator=g),
+        "weights": torch.randn(3, 2, generator=g),
+        "alltoall": torch.arange(4.0).reshape(4, 1) + 10 * rank,
+        "bn_x": torch.randn(4, 3, 5, 5, generator=g),
+        "bn_g": torch.randn(4, 3, 5, 5, generator=g),
+        "batch": (torch.randn(4, 4, generator=g), torch.randn(4, 3, generator=g)),
+    }
+
+
+def ps_splits(rank, n):
+    return [(rank + j) % 2 for j in range(n)]
+
+
+def ps_gather_weights(ranks, rank):
+    """``rank``'s allgather output's gradient weights in a set (one row per gathered row)."""
+    g = torch.Generator().manual_seed(400 + 10 * sum(ranks) + rank)
+    return torch.randn(sum(r + 1 for r in ranks), 3, generator=g)
+
+
+def ps_train(hvd=None, process_set=None, batches=()):
+    """A linear model, two SGD steps: plain torch on ``batches`` (the union), or this
+    worker's batch through DistributedOptimizer over ``process_set``."""
+    torch.manual_seed(1)
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if hvd is not None:
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=m.named_parameters(), process_set=process_set
+        )
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    return [p.detach().tolist() for p in m.parameters()]
+
+
+def process_set_ops(hvd, ps) -> dict:
+    """Every collective over ``ps`` (this worker a member), as lists."""
+    r, n, x = hvd.rank(), ps.size(), ps_inputs(hvd.rank())
+    root = ps.ranks[-1]  # a global rank, as Horovod's
+    out = {"identity": [ps.rank(), ps.size(), ps.included()]}
+    out.update(
+        {
+            op: hvd.allreduce(x["reduce"], op=getattr(hvd, op), name="ps", process_set=ps).tolist()
+            for op in ("Sum", "Average", "Max")
+        }
+    )
+    out["grouped"] = [
+        t.tolist()
+        for t in hvd.grouped_allreduce([x["reduce"], x["scatter"]], op=hvd.Sum, process_set=ps)
+    ]
+    inplace = x["scatter"].clone()
+    handles = [
+        hvd.allreduce_async_(inplace, op=hvd.Sum, name="ps", process_set=ps),
+        hvd.allgather_async(x["gather"], name="ps", process_set=ps),
+        hvd.broadcast_async(x["reduce"], root_rank=root, name="ps", process_set=ps),
+    ]
+    out["async"] = [t.tolist() for t in [hvd.synchronize(h) for h in reversed(handles)][::-1]]
+    out["allgather"] = hvd.allgather(x["gather"], process_set=ps).tolist()
+    out["grouped_allgather"] = [
+        t.tolist() for t in hvd.grouped_allgather([x["gather"], x["reduce"]], process_set=ps)
+    ]
+    out["broadcast"] = hvd.broadcast(x["reduce"], root_rank=root, process_set=ps).tolist()
+    rows, received = hvd.alltoall(x["alltoall"], splits=ps_splits(r, n), process_set=ps)
+    even = torch.arange(2.0 * n).reshape(2 * n, 1) + 10 * r
+    out["alltoall"] = [
+        rows.tolist(),
+        received.tolist(),
+        hvd.alltoall(even, process_set=ps).tolist(),
+    ]
+    out["reducescatter"] = [
+        hvd.reducescatter(x["scatter"], op=hvd.Sum, process_set=ps).tolist(),
+        hvd.reducescatter(x["scatter"], process_set=ps).tolist(),
+    ]
+    out["object"] = hvd.broadcast_object({"from": r}, root_rank=root, process_set=ps)
+    out["objects"] = hvd.allgather_object({"rank": r}, process_set=ps)
+    hvd.barrier(process_set=ps)
+    grads = {}
+    for name, fn in (
+        ("allreduce", lambda t: hvd.allreduce(t, op=hvd.Sum, name="g", process_set=ps)),
+        ("broadcast", lambda t: hvd.broadcast(t, root_rank=root, name="g", process_set=ps)),
+    ):
+        t = x["reduce"].clone().requires_grad_()
+        (fn(t) * x["weights"]).sum().backward()
+        grads[name] = t.grad.tolist()
+    t = x["gather"].clone().requires_grad_()
+    (hvd.allgather(t, name="g", process_set=ps) * ps_gather_weights(ps.ranks, r)).sum().backward()
+    grads["allgather"] = t.grad.tolist()
+    out["grads"] = grads
+    out["bn"] = sync_batch_norm(hvd.SyncBatchNorm(3, process_set=ps), x["bn_x"], x["bn_g"])
+    errors = []
+    for call in (
+        lambda: hvd.allreduce(torch.zeros(2 + r), process_set=ps),  # shapes differ
+        lambda: hvd.broadcast(
+            x["reduce"], root_rank=(set(range(3)) - set(ps.ranks)).pop(), process_set=ps
+        ),
+        lambda: hvd.allreduce(x["reduce"], op=hvd.Adasum, process_set=ps),
+    ):
+        try:
+            call()
+        except (ValueError, NotImplementedError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    out["errors"] = errors
+    return out
+
+
+def process_sets_worker(outdir: str) -> int:
+    import kvstore.torch as hvd
+
+    sets = {k: hvd.ProcessSet(v) for k, v in PS_SETS.items()}
+    every = hvd.ProcessSet([2, 1, 0])  # the global set's ranks: left invalid, as Horovod's
+    hvd.init(process_sets=[sets["A"], sets["B"], every])
+    torch.set_num_threads(1)
+    r = hvd.rank()
+    out = {"ids": [sets["A"].process_set_id, sets["B"].process_set_id, every.process_set_id]}
+    outside = sets["A"] if r == 1 else sets["B"]  # rank 2 is in both: rank 0's outside B
+    if r != 2:
+        try:
+            outside.rank()
+        except ValueError as exc:
+            out["outside_rank"] = str(exc)
+        out["outside_size"] = [outside.size(), outside.included()]
+        try:
+            hvd.allreduce(torch.ones(1), process_set=outside)
+        except ValueError as exc:
+            out["outside_error"] = str(exc)
+    for name, ps in sets.items():
+        if ps.included():
+            out[name] = process_set_ops(hvd, ps)
+    # DistributedOptimizer over A on every worker: rank 1 (outside) steps on its own batch
+    out["train"] = ps_train(hvd, sets["A"], [ps_inputs(r)["batch"]])
+    # removed on every worker; the same ranks added again find their keys
+    out["removed"] = [hvd.remove_process_set(sets["A"]), sets["A"].process_set_id]
+    out["removed"].append(hvd.remove_process_set(sets["A"]))
+    try:
+        hvd.allreduce(torch.ones(1), process_set=sets["A"])
+    except ValueError as exc:
+        out["removed_error"] = str(exc)
+    again = hvd.add_process_set([0, 2])
+    late = hvd.add_process_set(hvd.ProcessSet([0, 1]))
+    try:
+        hvd.add_process_set([1, 0])
+    except ValueError as exc:
+        out["duplicate"] = str(exc)
+    out["ids"] += [again.process_set_id, late.process_set_id]
+    if again.included():
+        out["again"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="ps", process_set=again)
+        out["again"] = out["again"].tolist()
+    if late.included():
+        out["late"] = hvd.allgather(torch.tensor([r]), process_set=late).tolist()
+    out["global"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist()
+    (Path(outdir) / f"psets.{r}.json").write_text(json.dumps(out))
+    return 0
+
+
 # ---------------------------------------------------------------- the tests
 
 
-def launch(*command, timeout=240):
+def launch(*command, timeout=240, workers=WORKERS):
     done = subprocess.run(
         [
             sys.executable,
             str(ROOT / "launch.py"),
             "-n",
-            str(WORKERS),
+            str(workers),
             "-s",
             "1",
             "--launcher",
@@ -553,6 +722,116 @@ def test_horovod_api_across_workers(job):
     assert got[1]["joined_max"] == [2.0, 2.0]  # rank 0 joined: left out of the maximum
 
 
+@pytest.fixture(scope="module")
+def psets_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_psets")
+    launch(__file__, out, "psets", workers=PS_WORKERS)
+    return [json.loads((out / f"psets.{r}.json").read_text()) for r in range(PS_WORKERS)]
+
+
+def test_process_sets_identity_and_refusals(psets_job):
+    for r, g in enumerate(psets_job):
+        # A and B from init(process_sets=...); the global set's ranks left invalid; after A
+        # was removed, [0, 2] again and [0, 1]
+        assert g["ids"] == [1, 2, None, 3, 4]
+        if r != 2:
+            assert g["outside_rank"] == "Process is not part of provided process set."
+            assert g["outside_size"] == [2, False]
+            assert f"rank {r} is not a member of the provided process set" in g["outside_error"]
+        assert g["removed"] == [True, None, False]
+        assert "has not been registered" in g["removed_error"]
+        assert "Attempted to add a duplicate process set" in g["duplicate"]
+        assert g["global"] == [3.0]
+    assert [g.get("again") for g in psets_job] == [[2.0], None, [2.0]]
+    assert [g.get("late") for g in psets_job] == [[0, 1], [0, 1], None]
+
+
+@pytest.mark.parametrize("name", list(PS_SETS))
+def test_process_set_collectives_match_one_process(psets_job, name):
+    """Every collective over a set against plain torch on its members' inputs: ranks, sizes
+    and rows within the set, root_rank a global rank."""
+    members = PS_SETS[name]
+    n, xs = len(members), {m: ps_inputs(m) for m in members}
+    root = members[-1]
+
+    def close(a, b, rtol=1e-6, atol=1e-7):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=atol)
+
+    def total(k):
+        return sum(xs[m][k] for m in members)
+
+    gathered = torch.cat([xs[m]["gather"] for m in members])
+    avg_w = total("weights") / n
+    avg_gw = sum(ps_gather_weights(members, m) for m in members) / n
+    bn_ref = sync_batch_norm(
+        torch.nn.BatchNorm2d(3),
+        torch.cat([xs[m]["bn_x"] for m in members]),
+        torch.cat([xs[m]["bn_g"] for m in members]),
+    )
+    bn_sum = {"dw": 0, "db": 0}
+    for i, m in enumerate(members):
+        g = psets_job[m][name]
+        assert g["identity"] == [i, n, True]
+        close(g["Sum"], total("reduce"))
+        close(g["Average"], total("reduce") / n)
+        close(g["Max"], torch.stack([xs[k]["reduce"] for k in members]).amax(0))
+        close(g["grouped"][0], total("reduce"))
+        close(g["grouped"][1], total("scatter"))
+        close(g["async"][0], total("scatter"))
+        close(g["async"][1], gathered)
+        close(g["async"][2], xs[root]["reduce"])
+        close(g["allgather"], gathered)
+        close(g["grouped_allgather"][0], gathered)
+        close(g["grouped_allgather"][1], torch.cat([xs[k]["reduce"] for k in members]))
+        close(g["broadcast"], xs[root]["reduce"])
+        pieces, received = [], []
+        for s in members:
+            splits = ps_splits(s, n)
+            start = sum(splits[:i])
+            pieces.append(xs[s]["alltoall"][start : start + splits[i]])
+            received.append(splits[i])
+        assert g["alltoall"][:2] == [torch.cat(pieces).tolist(), received]
+        even = [torch.arange(2.0 * n).reshape(2 * n, 1) + 10 * s for s in members]
+        assert g["alltoall"][2] == torch.cat([e[2 * i : 2 * i + 2] for e in even]).tolist()
+        base, extra = divmod(5, n)  # the set's first 5 % n members get one row more
+        start = i * base + min(i, extra)
+        rows = slice(start, start + base + (i < extra))
+        close(g["reducescatter"][0], total("scatter")[rows])
+        close(g["reducescatter"][1], total("scatter")[rows] / n)
+        assert g["object"] == {"from": root}
+        assert g["objects"] == [{"rank": k} for k in members]
+        close(g["grads"]["allreduce"], total("weights"))
+        close(g["grads"]["broadcast"], avg_w if m == root else torch.zeros(3, 2))
+        offset = sum(k + 1 for k in members[:i])
+        close(g["grads"]["allgather"], avg_gw[offset : offset + m + 1])
+        bn, mine = g["bn"], slice(4 * i, 4 * i + 4)
+        for k in ("y0", "y1", "dx0", "dx1"):
+            close(bn[k], np.asarray(bn_ref[k])[mine], rtol=1e-5, atol=1e-5)
+        for k in ("mean", "var"):
+            close(bn[k], bn_ref[k], rtol=1e-5, atol=1e-6)
+        for k in bn_sum:
+            bn_sum[k] = bn_sum[k] + np.asarray(bn[k])
+        shapes = "; ".join(f"rank {k}: [-: float32 ({2 + k},)]" for k in members)
+        mismatch, bad_root, adasum = g["errors"]
+        assert mismatch.startswith("ValueError: ") and shapes in mismatch, mismatch
+        outsider = ({0, 1, 2} - set(members)).pop()
+        assert f"root_rank={outsider} is not in the process set (ranks {members})" in bad_root
+        assert adasum == "NotImplementedError: Adasum does not support non-global process sets yet."
+    for k in bn_sum:
+        close(bn_sum[k], bn_ref[k], rtol=1e-5, atol=1e-5)
+
+
+def test_distributed_optimizer_over_a_process_set(psets_job):
+    """Members of [0, 2] step on their average (one process on their union batch); rank 1,
+    outside, on its own gradients (as Horovod's)."""
+    union = ps_train(batches=[ps_inputs(0)["batch"], ps_inputs(2)["batch"]])
+    alone = ps_train(batches=[ps_inputs(1)["batch"]])
+    for r, g in enumerate(psets_job):
+        expected = alone if r == 1 else union
+        for got, want in zip(g["train"], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def mnist_accuracy(out: str) -> list[float]:
     return [
         float(line.split("Accuracy: ")[1].rstrip("%\n"))
@@ -618,4 +897,6 @@ def test_step_benchmark_smoke():
 
 
 if __name__ == "__main__":
+    if sys.argv[2:] == ["psets"]:
+        sys.exit(process_sets_worker(sys.argv[1]))
     sys.exit(worker(sys.argv[1]))
