@@ -22,7 +22,7 @@ evil = pickle.dumps(Evil(), protocol=pickle.HIGHEST_PROTOCOL)
 if hvd.rank() == 1:
     real_sum = hvd._sum
 
-    def hostile_sum(keys, arrays):
+    def hostile_sum(group, keys, arrays):
         """Add to this rank's zeros what makes the summed bytes the evil pickle."""
         for key, array in zip(keys, arrays, strict=True):
             if ".object.length." in key:
@@ -34,7 +34,7 @@ if hvd.rank() == 1:
                 have = np.zeros(array.size, np.uint8)
                 have[: len(root_bytes)] = np.frombuffer(root_bytes, np.uint8)
                 array[:] = want - have  # uint8: wraps, as the servers' sum does
-        real_sum(keys, arrays)
+        real_sum(group, keys, arrays)
 
     hvd._sum = hostile_sum
 
