@@ -50,8 +50,8 @@ Process sets (Horovod's, :func:`add_process_set`): a set's collectives use the s
 of a group, made by the set's members alone (``kv.init(..., members=ranks)``), whose rounds
 complete when every member pushed; keys are named by the set's ranks (``kvt.ps0-2.``), ranks
 and sizes are the set's, ``root_rank`` a global rank, as Horovod's.
-Adasum: ``allreduce`` gathers and combines on each worker; DistributedOptimizer's is not
-supported (NotImplementedError).
+Adasum: ``allreduce`` gathers and combines on each worker; DistributedOptimizer's combines
+each worker's parameter change after its own optimizer step, as Horovod's.
 
 Requires the ``torch`` extra (``pip install 'kvstore-ps[torch]'``). Tensors travel through host
 memory as NumPy arrays; the store must sum (``dist_sync``, ``dist_device_sync``, ``local``,
@@ -2173,14 +2173,10 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
             f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}"
         )
-    if isinstance(optimizer, _DistributedMixin):
+    if isinstance(optimizer, (_DistributedMixin, _AdasumMixin)):
         raise ValueError("DistributedOptimizer: this optimizer is already distributed")
     if op == Adasum:
-        raise NotImplementedError(
-            "DistributedOptimizer: op=Adasum is not supported by kvstore.torch (Horovod's "
-            "Adasum optimizer combines each worker's parameter update; the servers only sum "
-            "gradients): use Average or Sum (hvd.allreduce takes op=hvd.Adasum)"
-        )
+        return _adasum_optimizer(optimizer, named_parameters, compression, process_set)
     if op not in (Average, Sum):
         raise NotImplementedError(f"op={op!r} is not supported by kvstore.torch: Average or Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
@@ -2226,6 +2222,58 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
         int(bucket_cap_mb * 2**20),
         group,
     )
+    return dist
+
+
+class _AdasumMixin:
+    """Horovod's Adasum optimizer: each worker steps the wrapped optimizer on its own
+    gradients, and the parameters' changes are combined with Adasum over the workers
+    (:func:`grouped_allreduce` with ``op=Adasum``), so every worker ends the step with the
+    same parameters: start + Adasum(every worker's change)."""
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        params = self._kvt_adasum_params
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in params]
+            super().step()
+            deltas = [p.detach() - s for p, s in zip(params, starts, strict=True)]
+        combined = grouped_allreduce(
+            deltas, name="adasum", compression=self._kvt_compression, op=Adasum
+        )
+        with torch.no_grad():
+            for p, s, d in zip(params, starts, combined, strict=True):
+                p.copy_(s + d)
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: :meth:`step` combines the changes."""
+
+    def skip_synchronize(self):
+        raise AssertionError(
+            "Skipping synchronization is not supported when using Adasum optimizer."
+        )
+
+
+def _adasum_optimizer(optimizer, named_parameters, compression, process_set):
+    group = _group(process_set, "DistributedOptimizer", members_only=False)
+    if group is None or group.members is not None:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    params = list({id(p): p for p in params}.values())
+    _names(optimizer, named_parameters)  # Horovod's checks of the names
+    _check_adasum("DistributedOptimizer", params, group)
+    cls = type(optimizer.__class__.__name__, (_AdasumMixin, optimizer.__class__), {})
+    dist = cls.__new__(cls)
+    dist.__dict__.update(
+        {
+            k: v
+            for k, v in optimizer.__dict__.items()
+            if k != "step" and getattr(v, "__self__", None) is not optimizer
+        }
+    )
+    dist._kvt_adasum_params = params
+    dist._kvt_compression = compression
     return dist
 
 

@@ -597,7 +597,6 @@ def test_distributed_optimizer_errors():
     named = list(m.named_parameters())
     cases = [
         ({"optimizer": "sgd"}, TypeError, "expected a torch.optim.Optimizer, got str"),
-        ({"op": hvd.Adasum}, NotImplementedError, "Adasum is not supported"),
         ({"op": hvd.Min}, NotImplementedError, "Average or Sum"),
         (
             {"op": hvd.Sum, "gradient_predivide_factor": 2.0},
@@ -621,6 +620,11 @@ def test_distributed_optimizer_errors():
     opt = hvd.DistributedOptimizer(sgd)
     with pytest.raises(ValueError, match="already distributed"):
         hvd.DistributedOptimizer(opt)
+    ada = hvd.DistributedOptimizer(sgd, op=hvd.Adasum)  # one worker: a power of 2
+    with pytest.raises(AssertionError, match="not supported when using Adasum"):
+        ada.skip_synchronize()
+    with pytest.raises(ValueError, match="already distributed"):
+        hvd.DistributedOptimizer(ada)
 
 
 # ---------------------------------------------------------------- the launcher's names

@@ -361,6 +361,49 @@ def collectives(hvd) -> dict:
     return out
 
 
+def train_adasum(rank=None) -> dict:
+    """SGD through DistributedOptimizer(op=Adasum) on W workers; ``rank`` None: the reference
+    in one process: each worker's own step from the same start, combined with Adasum's
+    pairwise rule per parameter (its formula written out here)."""
+    m = model()
+    data = union_batches(1)
+
+    def grads_of(r, x, y):
+        m.zero_grad()
+        xs, ys = x[r * BATCH : (r + 1) * BATCH], y[r * BATCH : (r + 1) * BATCH]
+        torch.nn.functional.cross_entropy(m(xs), ys).backward()
+        return [p.grad.detach().clone() for p in m.parameters()]
+
+    if rank is not None:
+        import kvstore.torch as hvd
+
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1),
+            named_parameters=m.named_parameters(),
+            op=hvd.Adasum,
+        )
+        for [(x, y)] in data[:STEPS]:
+            opt.zero_grad()
+            xs, ys = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
+            torch.nn.functional.cross_entropy(m(xs), ys).backward()
+            opt.step()
+        return {k: v.detach().numpy() for k, v in m.state_dict().items()}
+
+    def pair(a, b):
+        dot, aa, bb = (float((u.double() * v.double()).sum()) for u, v in ((a, b), (a, a), (b, b)))
+        return (1 - dot / (2 * aa)) * a + (1 - dot / (2 * bb)) * b
+
+    for [(x, y)] in data[:STEPS]:
+        deltas = [[-0.1 * g for g in grads_of(r, x, y)] for r in range(WORKERS)]
+        with torch.no_grad():
+            for i, p in enumerate(m.parameters()):
+                level = [d[i] for d in deltas]
+                while len(level) > 1:
+                    level = [pair(level[j], level[j + 1]) for j in range(0, len(level), 2)]
+                p.add_(level[0])
+    return {k: v.detach().numpy() for k, v in m.state_dict().items()}
+
+
 def worker(outdir: str) -> int:
     import kvstore.torch as hvd
 
@@ -369,6 +412,7 @@ def worker(outdir: str) -> int:
     out = Path(outdir)
     for name in SCENARIOS:
         np.savez(out / f"{name}.{hvd.rank()}.npz", **train(name, hvd.rank()))
+    np.savez(out / f"adasum.{hvd.rank()}.npz", **train_adasum(hvd.rank()))
     (out / f"collectives.{hvd.rank()}.json").write_text(json.dumps(collectives(hvd)))
     for name in FLIGHT_VARIANTS:
         np.savez(out / f"flight.{name}.{hvd.rank()}.npz", **buckets_in_flight(hvd, name))
@@ -591,6 +635,16 @@ def test_workers_match_one_process_on_the_union_batch(job, name):
             np.testing.assert_allclose(dist[k], one[k], rtol=rtol, atol=atol, err_msg=k)
     if "fp16" in name:  # within the tolerance, but rounded
         assert any(not np.allclose(dist[k], one[k], rtol=1e-6, atol=1e-7) for k in one)
+
+
+def test_adasum_optimizer_combines_each_worker_s_step(job):
+    one = train_adasum()
+    plain = train("sgd")  # the average's path, to show Adasum's result differs from it
+    for rank in range(WORKERS):
+        dist = dict(np.load(job / f"adasum.{rank}.npz"))
+        for k in one:
+            np.testing.assert_allclose(dist[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert any(not np.allclose(one[k], plain[k], atol=1e-4) for k in one)
 
 
 def test_collectives_across_workers(job):
