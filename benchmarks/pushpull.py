@@ -67,7 +67,9 @@ def worker_main(args) -> int:
         grad = np.random.default_rng(kv.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(grad)
         kv.init(f"k{name}", np.zeros_like(grad))
-        times = timed(
+        times = timed_together(
+            kv,
+            f"vote{name}",
             lambda grad=grad, out=out, name=name: kv.pushpull(f"k{name}", grad, out=out),
             args.reps,
             args.budget,
@@ -79,12 +81,34 @@ def worker_main(args) -> int:
         grads = [np.ones(256, np.float32) for _ in keys]
         outs = [np.empty(256, np.float32) for _ in keys]
         kv.init(keys, grads)
-        times = timed(lambda: kv.pushpull(keys, grads, out=outs), args.reps, args.budget)
+        step = lambda: kv.pushpull(keys, grads, out=outs)  # noqa: E731
+        times = timed_together(kv, "vote.keys", step, args.reps, args.budget)
         kv.barrier()
         results.append(summary(label(args), f"{args.keys}x1K", "steps/s", [1 / t for t in times]))
     kv.close()
     print("RESULTS " + json.dumps(results), flush=True)
     return 0
+
+
+def timed_together(kv, vote: str, fn, reps: int, budget: float, every: int = 8) -> list[float]:
+    """:func:`timed` for a collective ``fn``: every worker makes the same number of calls.
+    After every ``every`` calls the workers sum their wish to stop (untimed, on key ``vote``)
+    and stop together once any has run out of calls or of ``budget``; a worker that stopped
+    alone would leave the others' rounds waiting for it."""
+    fn()
+    fn()  # warm-up
+    kv.init(vote, np.zeros(1, np.float32))
+    flag, total = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    times, deadline = [], time.monotonic() + budget
+    while True:
+        for _ in range(min(every, reps - len(times))):  # the same count on every worker
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        flag[0] = len(times) >= reps or time.monotonic() >= deadline
+        kv.pushpull(vote, flag, out=total)
+        if total[0] > 0:
+            return times
 
 
 def label(args) -> str:
