@@ -696,16 +696,24 @@ class Server:
                 raise ValueError(f"sparse_pull: {len(keys)} keys need {len(keys)} id arrays")
             for key, ids in zip(keys, msg.arrays, strict=True):
                 self._rows_of(key, ids)
+        elif msg.body["since"] < -1:  # -1: every stored row
+            raise ValueError(f"sparse_rows: since must be a step >= -1, got {msg.body['since']}")
         self._execute(self.rounds.pull(Request(identity, msg), rank, keys))
 
     def _on_sparse_load(self, identity, rank, msg) -> None:
         keys = self._row_keys(msg)
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_load: {len(keys)} keys need {2 * len(keys)} arrays")
+        step = msg.body.get("step")
+        if step is not None and (type(step) is not int or not 0 <= step < 2**31):
+            raise ValueError(f"sparse_load: step must be an int in [0, 2**31), got {step!r:.40}")
         for i, key in enumerate(keys):
             self._rows_of(key, msg.arrays[2 * i], msg.arrays[2 * i + 1])
         for i, key in enumerate(keys):
-            self.rows.tables[key].assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
+            table = self.rows.tables[key]
+            if step is not None:
+                table.restore_step(step)
+            table.assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
         self._send(identity, Message("ack", msg.id, self.name))
 
     def _apply_rows(self, action: Apply) -> None:
@@ -738,9 +746,10 @@ class Server:
             arrays = [
                 self.rows.tables[k].pushed_rows(msg.arrays[2 * i]) for i, k in enumerate(keys)
             ]
-        else:  # sparse_rows: the rows changed after a step, and the step now
+        else:  # sparse_rows: the rows changed after a step (-1: every row), and the step now
             table = self.rows.tables[keys[0]]
-            arrays = list(table.changed_since(msg.body["since"]))
+            since = None if msg.body["since"] == -1 else msg.body["since"]
+            arrays = list(table.changed_since(since))  # the worker checks since <= step
             body["step"] = table.step
         kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
         # the rows are gathered copies, never written again: no trackers

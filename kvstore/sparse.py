@@ -441,10 +441,18 @@ class RowTable:
             return self.block[hit[1]]
         return self.read(ids)
 
-    def changed_since(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted."""
+    def changed_since(self, step: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted;
+        ``None``: every stored row."""
+        if step is None:
+            return self.ids.copy(), self.block[self.slots]
         keep = self.changed[self.slots] > step
         return self.ids[keep], self.block[self.slots[keep]]
+
+    def restore_step(self, step: int) -> None:
+        """Continue counting steps from ``step`` (a checkpoint's), when that is ahead."""
+        if step > self.step:
+            self.step = step
 
     # ---- writes
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -646,6 +654,17 @@ class SparseKeys:
             table.recent = {
                 id(i): (i, slots[np.searchsorted(total.indices, i)]) for _, i, _ in pushes
             }
+
+
+def check_since(key, since: int | None, step: int) -> None:
+    """A ``ValueError`` saying what to do when ``save_rows(key, since)`` asks for the rows
+    changed after a step this table has not reached (a store restarted counts from 0)."""
+    if since is not None and since > step:
+        raise ValueError(
+            f"save_rows(key={key!r}): since={since} is past the current step {step} (a new "
+            "or restarted store counts steps from 0): pass since=None for every stored row, "
+            "or restore the checkpoint's step with load_rows(key, rows, step=...)"
+        )
 
 
 def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:

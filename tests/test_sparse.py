@@ -127,9 +127,14 @@ def test_local_store_matches_dense_model(ops, momentum, init):
                 outs[1].data, dense[sorted(set(arg[-1]))], rtol=1e-5, atol=1e-5
             )
         else:
+            if arg > step:
+                with pytest.raises(ValueError, match="past the current step"):
+                    kv.save_rows("e", since=arg)
+                arg = None
             rows, now = kv.save_rows("e", since=arg)
             assert now == step
-            assert rows.indices.tolist() == np.flatnonzero(changed > arg).tolist()
+            want = np.flatnonzero(changed >= 0 if arg is None else changed > arg)
+            assert rows.indices.tolist() == want.tolist()
             np.testing.assert_allclose(rows.data, dense[rows.indices], rtol=1e-5, atol=1e-5)
 
 
@@ -347,3 +352,33 @@ def test_optimizer_states_of_rows_save_and_load(tmp_path, name):
     kv.row_sparse_pull("e", out=a, row_ids=ids)
     restored.row_sparse_pull("e", out=b, row_ids=ids)
     np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_checkpoint_holds_rows_never_pushed():
+    """save_rows() is a checkpoint: the rows a key was initialised with count, and a store
+    restored with load_rows(step=...) gives the same rows and continues the step; a since
+    past the current step is refused, saying what to do."""
+    import kvstore
+
+    shape = (10, 2)
+    kv = kvstore.create("local")
+    kv.init("e", RowSparse([1, 2], np.full((2, 2), 5.0, np.float32), shape))
+    rows, step = kv.save_rows("e")
+    assert rows.indices.tolist() == [1, 2] and step == 0
+    kv.push("e", RowSparse([3], np.ones((1, 2), np.float32), shape))
+    rows, step = kv.save_rows("e")
+    assert rows.indices.tolist() == [1, 2, 3] and step == 1
+    assert kv.save_rows("e", since=0)[0].indices.tolist() == [3]
+    restored = kvstore.create("local")
+    restored.init("e", RowSparse.empty(shape, np.float32))
+    restored.load_rows("e", rows, step=step)
+    again, now = restored.save_rows("e")
+    assert again.indices.tolist() == [1, 2, 3] and now == step
+    np.testing.assert_array_equal(again.data, rows.data)
+    assert restored.save_rows("e", since=step)[0].nnz == 0
+    restored.push("e", RowSparse([4], np.ones((1, 2), np.float32), shape))
+    assert restored.save_rows("e", since=step)[0].indices.tolist() == [4]
+    fresh = kvstore.create("local")
+    fresh.init("e", RowSparse.empty(shape, np.float32))
+    with pytest.raises(ValueError, match=r"since=1 is past the current step 0.*since=None"):
+        fresh.save_rows("e", since=1)
