@@ -651,7 +651,9 @@ class DistStore(KVStore):
             np.concatenate([p[2].reshape(-1, meta.shape[1]) for p in found]),
             meta.shape,
         ).canonical()
-        return value, max(p[0] for p in found)
+        # the smallest step: under dist_async a server may not yet have applied a push
+        # another has; an export since the largest would miss that push's rows for good
+        return value, min(p[0] for p in found)
 
     def _load_rows(self, key, value, step: int | None):
         ids = []

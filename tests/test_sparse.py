@@ -382,3 +382,28 @@ def test_checkpoint_holds_rows_never_pushed():
     fresh.init("e", RowSparse.empty(shape, np.float32))
     with pytest.raises(ValueError, match=r"since=1 is past the current step 0.*since=None"):
         fresh.save_rows("e", since=1)
+
+
+def test_save_rows_step_is_the_smallest_servers_step():
+    """dist_async: the servers' steps differ for a moment (one has applied a push another
+    has not). save_rows returns the smallest, so an export since it cannot miss the rows of
+    that push on the server that is behind."""
+    from kvstore.protocol import Message
+    from kvstore.store import SparseMeta
+    from kvstore.worker import DistStore
+
+    shape = (10, 2)
+    replies = {0: (5, [4]), 1: (3, [1])}  # server -> (its step, its rows changed)
+    store = object.__new__(DistStore)  # no cluster: the servers' replies are given
+    store._servers = [("127.0.0.1", 1), ("127.0.0.1", 2)]
+    store._sparse = {"e": SparseMeta(shape, np.dtype(np.float32), sparse.zeros())}
+
+    def send(server, kind, body, arrays=(), on_reply=None):
+        step, ids = replies[server]
+        rows = [np.array(ids, np.int64), np.ones((len(ids), 2), np.float32)]
+        on_reply(Message("ack", server, "server", {"step": step}, rows))
+        return server
+
+    store._send, store._wait = send, lambda what, ids=None: None
+    rows, step = store._save_rows("e", 2)
+    assert rows.indices.tolist() == [1, 4] and step == 3
