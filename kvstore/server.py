@@ -674,17 +674,26 @@ class Server:
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_push: {len(keys)} keys need {2 * len(keys)} arrays")
         sync = bool(msg.body.get("sync", True))
-        grads = []
         for i, key in enumerate(keys):
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
             self._rows_of(key, ids, data)
+        grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
+        rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
+        actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
+        # the rows are filed only where the rounds took the push (not after join(), not into
+        # a dead round, not with another staleness); Apply actions run after, in _execute
         for i, key in enumerate(keys):
-            table = self.rows.tables[key]
-            round_ = self.rounds.keys[key].pushed[rank]
-            self.rows.add(key, round_, rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
-            grads.append((key, self.rows.placeholder(table.dtype)))
-        now = time.monotonic()
-        self._execute(self.rounds.push(Request(identity, msg), rank, grads, sync, now))
+            if self._took(key, rank, rounds[i], sync, actions):
+                self.rows.add(key, rounds[i], rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
+        self._execute(actions)
+
+    def _took(self, key: tuple, rank: int, round_: int, sync: bool, actions: list) -> bool:
+        """Whether ``Rounds.push`` took ``rank``'s push of ``key`` (into ``round_``)."""
+        if not sync:  # applied on arrival: an Apply for the key
+            return any(isinstance(a, Apply) and a.key == key and a.accumulate for a in actions)
+        state = self.rounds.keys[key]
+        dead = state.dead_from is not None and round_ >= state.dead_from
+        return state.pushed[rank] == round_ + 1 and not dead
 
     @metrics.served
     def _on_sparse_pull(self, identity, rank, msg) -> None:

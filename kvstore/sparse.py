@@ -605,6 +605,9 @@ class SparseKeys:
         self.tables: dict = {}  # (key, part) -> RowTable
         self.pending: dict = defaultdict(dict)  # (key, part) -> {round: [(rank, ids, rows)]}
         self.arrivals: dict = defaultdict(list)  # (key, part) -> async pushes, in order
+        # (key, part) -> sync rounds applied: the round the next sync Apply is (a table's
+        # step also counts async pushes and can be restored by load_rows)
+        self.rounds_done: dict = defaultdict(int)
         self.placeholders: dict = {}  # dtype -> the empty array Rounds sums
 
     def add_key(self, where, rows: int, dim: int, dtype, init) -> RowTable:
@@ -642,7 +645,8 @@ class SparseKeys:
             ids, rows = self.arrivals[where].pop(0)
             table.apply(ids, rows, optimizer, t, lr, accumulate=True)
             return
-        pushes = self.pending[where].pop(table.step, [])
+        pushes = self.pending[where].pop(self.rounds_done[where], [])
+        self.rounds_done[where] += 1
         pushes.sort(key=lambda p: p[0])
         if optimizer is None and table.admit_after == 1:
             table.assign_sums([(i, r) for _, i, r in pushes])

@@ -1,0 +1,89 @@
+"""A server's row-sparse handlers without sockets: requests in, replies out.
+
+The server is built without its sockets or its scheduler link; each request calls its
+handler as the poll loop does (a handler that raises is a refusal: the loop answers it with
+the error), and the replies are collected instead of sent."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvstore.protocol import Message
+from kvstore.rounds import Rounds
+from kvstore.server import Server, _show
+from kvstore.sparse import SparseKeys, zeros
+
+SHAPE = (10, 2)
+
+
+def make_server(num_workers: int, num_server: int = 1, rank: int = 0):
+    s = object.__new__(Server)
+    s.cfg = SimpleNamespace(num_server=num_server, verbose=0)
+    s.num_workers, s.rank, s.name = num_workers, rank, f"server {rank}"
+    s.stored, s.sending, s._shm_of, s._roots = {}, {}, {}, {}
+    s.rounds = Rounds(num_workers, 0, describe=_show)
+    s.rows = SparseKeys()
+    s.updater = s.optimizer_spec = None
+    s._lost, s._last_failure, s._peer_lost = set(), "", ""
+    s.control = SimpleNamespace(metrics=None)
+    s.sent = []  # (identity, message) of every reply
+    s._send = lambda identity, msg, keys=None, track=True: s.sent.append((identity, msg))
+    return s
+
+
+def request(s, rank: int, kind: str, body: dict, arrays=()):
+    """Call the handler of ``kind`` as worker ``rank``; the replies it caused."""
+    before = len(s.sent)
+    msg = Message(kind, len(s.sent) + 100 * rank, f"worker-{rank}", body, list(arrays))
+    handler = {
+        "sparse_init": s._on_sparse_init,
+        "sparse_push": s._on_sparse_push,
+        "sparse_pull": s._on_sparse_pull,
+        "sparse_rows": s._on_sparse_pull,
+        "sparse_load": s._on_sparse_load,
+    }[kind]
+    handler(f"worker-{rank}".encode(), rank, msg)
+    return s.sent[before:]
+
+
+def rows(ids, value):
+    ids = np.array(ids, np.int64)
+    return [ids, np.full((ids.size, SHAPE[1]), value, np.float32)]
+
+
+def init(s, key="e", part=0):
+    meta = [SHAPE[0], SHAPE[1], "<f4", zeros()]
+    request(s, 0, "sparse_init", {"keys": [[key, part]], "meta": [meta]}, rows([], 0))
+
+
+def push(s, rank, ids, value, sync=True, key="e"):
+    return request(s, rank, "sparse_push", {"keys": [[key, 0]], "sync": sync}, rows(ids, value))
+
+
+def table(s, key="e", part=0):
+    return s.rows.tables[(key, part)].read(np.arange(SHAPE[0]))
+
+
+def test_a_push_refused_after_join_adds_no_rows():
+    """A push refused by the rounds (a worker that joined) is answered with the error, and
+    its rows are not summed into the round it would have joined."""
+    s = make_server(2)
+    init(s)
+    s._execute(s.rounds.joined(1, 0.0))
+    (refused,) = push(s, 1, [2], 100.0)
+    assert refused[1].kind == "error" and "after join()" in refused[1].body["message"]
+    (ack,) = push(s, 0, [1], 1.0)
+    assert ack[1].kind == "ack"
+    assert table(s)[:3, 0].tolist() == [0.0, 1.0, 0.0]
+
+
+def test_sync_rounds_keep_their_rows_when_async_pushes_come_between():
+    """An async push applied while a sync round is open advances the table's step; the
+    round still sums its own pushes."""
+    s = make_server(2)
+    init(s)
+    assert push(s, 0, [1], 1.0) == []  # waits for rank 1
+    push(s, 1, [3], 5.0, sync=False)
+    replies = push(s, 1, [2], 2.0)
+    assert sorted(r[0] for r in replies) == [b"worker-0", b"worker-1"]
+    assert table(s)[:4, 0].tolist() == [0.0, 1.0, 2.0, 5.0]
