@@ -38,7 +38,7 @@ from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import row_server
-from .sparse import SparseKeys, check_init, dump_states, load_states
+from .sparse import SparseKeys, check_init, check_optimizer, dump_states, load_states
 
 log = logging.getLogger("kvstore.server")
 
@@ -331,28 +331,46 @@ class Server:
 
     # ---- carrying out the rounds' actions
     def _execute(self, actions: list) -> None:
+        broken: dict = {}  # row-sparse keys whose round failed to apply -> why
         for action in actions:
             if isinstance(action, Apply):
-                self._apply(action)
+                if action.key in self.rows.tables:
+                    why = self._apply_rows(action)
+                    if why:
+                        broken[action.key] = why
+                else:
+                    self._apply(action)
             elif isinstance(action, Reply):
-                self._reply(action.request)
+                why = self._broken_for(action.request, broken) if broken else ""
+                if why:  # the round it waited for was never applied: say so, do not answer
+                    self._fail_request(action.request, why)
+                else:
+                    self._reply(action.request)
             elif isinstance(action, Fail):
-                req = action.request
-                if action.text != self._last_failure:  # once, not once per request
-                    self._last_failure = action.text
-                    log.error("%s: %s", self.name, action.text)
-                reply = error_reply(req.msg, self.name, f"{self.name}: {action.text}")
-                if self._peer_lost and action.text == self._peer_lost:
-                    reply.body["lost"] = True  # the worker raises PeerLostError (exit 129)
-                self._send(req.identity, reply)
+                self._fail_request(action.request, action.text)
+
+    def _fail_request(self, req: Request, text: str) -> None:
+        if text != self._last_failure:  # once, not once per request
+            self._last_failure = text
+            log.error("%s: %s", self.name, text)
+        reply = error_reply(req.msg, self.name, f"{self.name}: {text}")
+        if self._peer_lost and text == self._peer_lost:
+            reply.body["lost"] = True  # the worker raises PeerLostError (exit 129)
+        self._send(req.identity, reply)
+
+    @staticmethod
+    def _broken_for(req: Request, broken: dict) -> str:
+        """Why a request cannot be answered: a key it names whose round failed to apply."""
+        for key in req.msg.body.get("keys") or ():
+            why = broken.get(tuple(key))
+            if why:
+                return why
+        return ""
 
     def _apply(self, action: Apply) -> None:
         """``stored = updater(value, stored)``; without an updater, assign a round's sum or
         add an async push. Never writes into an array a reply still reads."""
         key, value = action.key, action.value
-        if key in self.rows.tables:
-            self._apply_rows(action)
-            return
         old = self.stored[key]
         sends = self.sending.pop(key, None)
         busy = sends is not None and any(not s.done for s in sends)
@@ -677,6 +695,8 @@ class Server:
         for i, key in enumerate(keys):
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
             self._rows_of(key, ids, data)
+            if self.updater is not None:  # refused now, not when its round is applied
+                check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
         grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
         rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
         actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
@@ -725,20 +745,31 @@ class Server:
             table.assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
         self._send(identity, Message("ack", msg.id, self.name))
 
-    def _apply_rows(self, action: Apply) -> None:
-        """A round of a row-sparse key: sum its pushes by rank, update the touched rows."""
+    def _apply_rows(self, action: Apply) -> str:
+        """A round of a row-sparse key: sum its pushes by rank, update the touched rows.
+        Returns why it failed ("" when it did not): the requests waiting for it are failed
+        with that (the round's pushes are dropped; the next round applies as usual)."""
         key = action.key
         table = self.rows.tables[key]
-        if self.updater is None:
-            self.rows.apply(key, action.accumulate)
-        else:
-            up = self.updater
-            t = up.counts[key] = up.counts.get(key, 0) + 1
-            up.num_update = max(up.num_update, t)
-            lr = up.optimizer.learning_rate(up.num_update)
-            self.rows.apply(key, action.accumulate, up.optimizer, t, lr)
+        which = "an async push" if action.accumulate else f"round {self.rows.rounds_done[key]}"
+        try:
+            if self.updater is None:
+                self.rows.apply(key, action.accumulate)
+            else:
+                up = self.updater
+                t = up.counts[key] = up.counts.get(key, 0) + 1
+                up.num_update = max(up.num_update, t)
+                lr = up.optimizer.learning_rate(up.num_update)
+                self.rows.apply(key, action.accumulate, up.optimizer, t, lr)
+        except Exception as exc:  # MemoryError, the 2**31-row limit: the server serves on
+            log.exception("%s: applying %s of %s failed", self.name, which, _show(key))
+            return (
+                f"{which} of row-sparse key {_show(key)} could not be applied: "
+                f"{type(exc).__name__}: {exc}"
+            )
         if self.rows.grown(table):
             trim()  # the superseded index arrays: back to the kernel, not kept resident
+        return ""
 
     def _reply_rows(self, req: Request) -> None:
         msg = req.msg

@@ -7,7 +7,9 @@ the error), and the replies are collected instead of sent."""
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from kvstore import optimizer as opt
 from kvstore.protocol import Message
 from kvstore.rounds import Rounds
 from kvstore.server import Server, _show
@@ -87,3 +89,40 @@ def test_sync_rounds_keep_their_rows_when_async_pushes_come_between():
     replies = push(s, 1, [2], 2.0)
     assert sorted(r[0] for r in replies) == [b"worker-0", b"worker-1"]
     assert table(s)[:4, 0].tolist() == [0.0, 1.0, 2.0, 5.0]
+
+
+def test_an_optimizer_rows_cannot_use_is_refused_before_the_round():
+    """LAMB cannot update rows: each push is refused when it comes, so no round opens that
+    would fail when applied (and leave the other workers' pushes unanswered)."""
+    s = make_server(2)
+    init(s)
+    s.updater = opt.Updater(opt.LAMB())
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match="LAMB's update takes norms"):
+            push(s, rank, [1], 1.0)
+    assert not s.rounds._open
+
+
+def test_a_round_that_fails_to_apply_answers_every_waiting_push():
+    """An error while applying a round (here memory) fails every request waiting on it,
+    with the reason, instead of leaving the others to their timeout."""
+    s = make_server(3)
+    init(s)
+    t = s.rows.tables[("e", 0)]
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("unable to allocate 8.00 GiB")
+
+    t.assign_sums = t.apply = no_memory
+    assert push(s, 0, [1], 1.0) == [] and push(s, 2, [2], 1.0) == []
+    pull = request(s, 0, "sparse_pull", {"keys": [["e", 0]]}, [np.array([1], np.int64)])
+    assert pull == []  # waits for the round rank 0 pushed
+    replies = push(s, 1, [3], 1.0)
+    assert sorted(r[0] for r in replies) == [b"worker-0", b"worker-0", b"worker-1", b"worker-2"]
+    for _, msg in replies:
+        assert msg.kind == "error" and "MemoryError: unable to allocate" in msg.body["message"]
+        assert "round 0 of row-sparse key 'e' could not be applied" in msg.body["message"]
+    del t.assign_sums, t.apply  # the next round applies as usual
+    for rank in range(3):
+        push(s, rank, [rank], 1.0)
+    assert table(s)[:3, 0].tolist() == [1.0, 1.0, 1.0]
