@@ -632,6 +632,10 @@ class Server:
     # rounds are Rounds' own, fed an empty array per push, while SparseKeys holds the rows
     def _row_keys(self, msg: Message) -> list[tuple]:
         keys = [tuple(k) for k in msg.body["keys"]]
+        if not keys:  # Rounds would answer a request of no keys never
+            raise ValueError(f"{msg.kind}: no keys")
+        if msg.kind == "sparse_rows" and len(keys) != 1:
+            raise ValueError(f"sparse_rows: one key per request, got {len(keys)}")
         for key in keys:
             if key not in self.rows.tables:
                 raise KeyError(f"row-sparse key {_show(key)} was never initialised on this server")
@@ -643,33 +647,45 @@ class Server:
         """Check a request's row ids (and rows) for ``key``: sorted, unique, in range, and
         this server's (sharding.row_server)."""
         table = self.rows.tables[key]
+        self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows)
+
+    def _check_rows(self, key: tuple, nrows: int, dim: int, dtype, ids, rows=None) -> None:
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
         if ids.size:
-            if (
-                ids[0] < 0
-                or ids[-1] >= table.rows
-                or (ids.size > 1 and not (ids[1:] > ids[:-1]).all())
-            ):
+            if ids[0] < 0 or ids[-1] >= nrows or (ids.size > 1 and not (ids[1:] > ids[:-1]).all()):
                 raise ValueError(
-                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {table.rows})"
+                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows})"
                 )
             servers = self.cfg.num_server
             if servers > 1 and (row_server(ids, servers) != key[1]).any():
                 raise ValueError(f"key {_show(key)}: row ids of another server")
-        if rows is not None and (rows.dtype != table.dtype or rows.shape != (ids.size, table.dim)):
+        if rows is not None and (rows.dtype != dtype or rows.shape != (ids.size, dim)):
             raise ValueError(
                 f"key {_show(key)}: got rows {rows.shape} x {rows.dtype}, expected "
-                f"{ids.size} x {table.dim} x {table.dtype}"
+                f"{ids.size} x {dim} x {dtype}"
             )
 
     def _on_sparse_init(self, identity, rank, msg) -> None:
+        """Every key, meta and row set is checked before any key is made."""
         keys, metas = [tuple(k) for k in msg.body["keys"]], msg.body["meta"]
         if len(metas) != len(keys) or len(msg.arrays) != 2 * len(keys):
             raise ValueError("sparse_init: one meta and two arrays (ids, rows) per key")
-        for key, meta in zip(keys, metas, strict=True):
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice in one request")
+        made = []
+        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+            if len(key) != 2:
+                raise ValueError(f"sparse_init: a key is [key, part], got {list(key)!r:.60}")
+            if key[1] != self.rank:
+                raise ValueError(
+                    f"part {key[1]!r:.20} of key {key[0]!r:.60} is not this server's: "
+                    f"server {self.rank} holds part {self.rank} of every row-sparse key"
+                )
             if key in self.rows.tables or key in self.stored:
                 raise ValueError(f"key {_show(key)} is already initialised")
+            if not isinstance(meta, list) or len(meta) != 4:
+                raise ValueError(f"key {_show(key)}: meta must be [rows, dim, dtype, init]")
             rows, dim, dtype, init = meta
             if type(rows) is not int or type(dim) is not int or rows < 0 or dim < 0:
                 raise ValueError(f"key {_show(key)}: bad shape ({rows!r}, {dim!r})")
@@ -677,12 +693,11 @@ class Server:
             if dtype.kind not in "fc":
                 raise ValueError(f"key {_show(key)}: a row-sparse key holds floats, not {dtype}")
             check_init(init)
-        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
-            rows, dim, dtype, init = meta
-            table = self.rows.add_key(key, rows, dim, np.dtype(dtype), init)
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-            self._rows_of(key, ids, data)
-            table.assign(ids, data)
+            self._check_rows(key, rows, dim, dtype, ids, data)
+            made.append((key, rows, dim, dtype, init, ids, data))
+        for key, rows, dim, dtype, init, ids, data in made:
+            self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
             self.rounds.add_key(key)
         self._send(identity, Message("ack", msg.id, self.name))
 

@@ -126,3 +126,37 @@ def test_a_round_that_fails_to_apply_answers_every_waiting_push():
     for rank in range(3):
         push(s, rank, [rank], 1.0)
     assert table(s)[:3, 0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_malformed_requests_are_refused_and_change_nothing():
+    """Every malformed request is refused (the handler raises: the loop answers with the
+    error), none is left unanswered, and a refused init creates no key."""
+    s = make_server(1, num_server=2, rank=0)
+    meta = [SHAPE[0], SHAPE[1], "<f4", zeros()]
+    bad_ids = [np.array([20], np.int64), np.ones((1, 2), np.float32)]  # row 20 of 10
+    with pytest.raises(ValueError, match=r"in \[0, 10\)"):
+        request(
+            s,
+            0,
+            "sparse_init",
+            {"keys": [["a", 0], ["b", 0]], "meta": [meta] * 2},
+            rows([], 0) + bad_ids,
+        )
+    assert not s.rows.tables and not s.rounds.keys
+    with pytest.raises(ValueError, match="part 1 of key 'a' is not this server's"):
+        request(s, 0, "sparse_init", {"keys": [["a", 1]], "meta": [meta]}, rows([], 0))
+    with pytest.raises(ValueError, match="appears twice"):
+        request(s, 0, "sparse_init", {"keys": [["a", 0]] * 2, "meta": [meta] * 2}, rows([], 0) * 2)
+    assert not s.rows.tables and not s.rounds.keys
+    init(s, "a")
+    init(s, "b")
+    for kind, body, arrays in [
+        ("sparse_push", {"keys": []}, []),
+        ("sparse_pull", {"keys": []}, []),
+        ("sparse_rows", {"keys": [], "since": 0}, []),
+        ("sparse_rows", {"keys": [["a", 0], ["b", 0]], "since": 0}, []),
+    ]:
+        with pytest.raises(ValueError, match="one key|no keys"):
+            request(s, 0, kind, body, arrays)
+    (ok,) = request(s, 0, "sparse_rows", {"keys": [["a", 0]], "since": -1})
+    assert ok[1].kind == "ack"
