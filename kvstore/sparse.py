@@ -114,9 +114,12 @@ class RowSparse:
         declares a table whose rows are created when first pushed.
 
         ``admit_after=k``: a row is stored only from the k-th round that pushes it (the
-        pushes before are dropped; reads give its initial value): rare ids cost nothing.
+        pushes before are dropped; reads give its initial value): a rare id costs no row,
+        only a candidate entry (16 bytes: id, count, last step) until admitted.
         ``evict_after=T``: a row no round has changed for T rounds is dropped (its next read
-        gives its initial value again; checked every T/2 rounds)."""
+        gives its initial value again; checked every T/2 rounds), and so is a candidate no
+        round pushed for T rounds (its count starts again). Without ``evict_after`` the
+        candidates are kept until admitted."""
         dim = int(shape[1]) if isinstance(shape, (tuple, list)) and len(shape) == 2 else 0
         spec = check_init(init)
         if admit_after != 1 or evict_after:
@@ -347,6 +350,7 @@ class RowTable:
         self.evict_after = self.init.get("evict_after", 0)
         self.cand_ids = np.empty(0, np.int64)  # rows pushed, not yet admitted (sorted)
         self.cand_counts = np.empty(0, np.int32)  # rounds that pushed each
+        self.cand_last = np.empty(0, np.int32)  # the step each was last pushed at
         self.trimmed_bytes = 0  # nbytes when the server last trimmed its heap
         # the last round's pushes: id(ids) -> (ids, their slots), so the replies of a
         # pushpull gather their rows without a second lookup (the ids object is kept, so its
@@ -360,7 +364,7 @@ class RowTable:
     def nbytes(self) -> int:
         """Memory held: the block, the states, the index (capacity, not only rows used)."""
         arrays = (self.ids, self.slots, self.block, self.changed, *self.states)
-        arrays += (self.cand_ids, self.cand_counts)
+        arrays += (self.cand_ids, self.cand_counts, self.cand_last)
         return sum(a.nbytes for a in arrays)
 
     # ---- lookup
@@ -534,19 +538,28 @@ class RowTable:
         counts[known] += self.cand_counts[pos[known]]
         admitted = counts >= self.admit_after
         self.cand_counts[pos[known & ~admitted]] = counts[known & ~admitted]
+        self.cand_last[pos[known & ~admitted]] = self.step
         fresh = ~known & ~admitted
         gone = pos[known & admitted]  # admitted candidates leave the list
         cand_ids = np.insert(self.cand_ids, pos[fresh], new[fresh])
         cand_counts = np.insert(self.cand_counts, pos[fresh], counts[fresh])
+        cand_last = np.insert(self.cand_last, pos[fresh], self.step)
         gone = gone + np.searchsorted(pos[fresh], gone, side="right")
         self.cand_ids, self.cand_counts = np.delete(cand_ids, gone), np.delete(cand_counts, gone)
+        self.cand_last = np.delete(cand_last, gone)
         keep = found.copy()
         keep[~found] = admitted
         return ids[keep], rows[keep]
 
     def _evict(self, limit: int) -> None:
-        """Drop the rows last changed at step ``limit`` or before; the others are compacted
-        to the front of the blocks, in id order."""
+        """Drop the rows last changed at step ``limit`` or before (the others are compacted
+        to the front of the blocks, in id order), and the admission candidates last pushed
+        then (their count starts again)."""
+        if self.cand_ids.size:
+            recent = self.cand_last > limit
+            if not recent.all():
+                self.cand_ids, self.cand_counts = self.cand_ids[recent], self.cand_counts[recent]
+                self.cand_last = self.cand_last[recent]
         live = self.changed[self.slots] > limit
         if live.all():
             return

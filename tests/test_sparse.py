@@ -262,18 +262,20 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict):
     reads as its initial value."""
     init = sparse.uniform(-1, 1, seed=2)
     table = RowTable(2, np.float32, {**init, "admit_after": admit, "evict_after": evict})
-    stored, counts, last = {}, {}, {}
+    stored, counts, last, seen = {}, {}, {}, {}
     for r, ids in enumerate(rounds, 1):
         ids = sorted(set(ids))
         if evict and r % max(1, evict // 2) == 0:
             for i in [i for i in stored if last[i] <= r - 1 - evict]:
                 del stored[i], last[i]
+            for i in [i for i in counts if seen[i] <= r - 1 - evict]:  # candidates age too
+                del counts[i], seen[i]
         for i in ids:
             if i not in stored:
-                counts[i] = counts.get(i, 0) + 1
+                counts[i], seen[i] = counts.get(i, 0) + 1, r
                 if counts[i] < admit:
                     continue
-                del counts[i]
+                del counts[i], seen[i]
             stored[i], last[i] = float(r), r
         table.apply(np.array(ids, np.int64), np.full((len(ids), 2), r, np.float32))
     everything = np.arange(16)
@@ -282,6 +284,19 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict):
     np.testing.assert_array_equal(table.read(everything), want)
     assert len(table) == len(stored)
     assert sorted(table.ids.tolist()) == sorted(stored)
+    assert table.cand_ids.tolist() == sorted(counts)
+    assert table.cand_counts.tolist() == [counts[i] for i in sorted(counts)]
+
+
+def test_admission_candidates_age_out():
+    """An id pushed once, then not for evict_after rounds, is no candidate any more: its
+    count starts again, and the candidates cannot grow without bound."""
+    table = RowTable(2, np.float32, {**sparse.zeros(), "admit_after": 2, "evict_after": 2})
+    for r in range(200):
+        table.apply(np.array([1000 + r], np.int64), np.ones((1, 2), np.float32))
+    assert table.cand_ids.size <= 3, table.cand_ids.size
+    table.apply(np.array([1000], np.int64), np.ones((1, 2), np.float32))
+    assert len(table) == 0  # its first push was forgotten: one push counted, not two
 
 
 @settings(max_examples=80, deadline=None)
