@@ -32,7 +32,6 @@ import numpy as np
 
 from .arrays import to_host
 
-_FLOAT_KINDS = "fc"
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CHUNK = 1 << 20  # elements per initializer chunk: bounded temporaries for big creations
 

@@ -54,14 +54,6 @@ class Meta:
     dtype: np.dtype
 
 
-@dataclass(frozen=True)
-class SparseMeta(Meta):
-    """A row-sparse key (:mod:`kvstore.sparse`): ``shape`` is (rows, dim); ``init`` the spec
-    its rows start from."""
-
-    init: dict
-
-
 @dataclass
 class RowsItem:
     """One row-sparse key of a call: the pushed sum (canonical), or the outputs and the row
@@ -147,7 +139,7 @@ class KVStore:
         self._key_kind: type | None = None
         self._compression: Compression | None = None
         self._pushed = False
-        self._sparse: dict = {}  # row-sparse keys -> SparseMeta (kvstore.sparse)
+        self._sparse: dict = {}  # row-sparse keys -> Meta (kvstore.sparse)
 
     # ---- identity
     @property
@@ -540,9 +532,8 @@ class KVStore:
         self._init_rows(items)
         for item in items:
             v = item.value
-            self._meta[item.key] = self._sparse[item.key] = SparseMeta(
-                v.shape, np.dtype(v.dtype), v.init or {"kind": "zeros"}
-            )
+            # a row-sparse key's Meta: shape (rows, dim); the servers keep its init spec
+            self._meta[item.key] = self._sparse[item.key] = Meta(v.shape, np.dtype(v.dtype))
             self._key_kind = type(item.key)
 
     def _row_sparse_pull_rows(self, key, out, row_ids) -> None:

@@ -49,9 +49,11 @@ log = logging.getLogger("kvstore.worker")
 
 # Requests whose refusal by one server leaves the servers disagreeing (rounds, optimizer):
 # the store fails with it.
-_MUTATING = frozenset({"init", "push", "pushpull", "optimizer", "set_states"})
+_MUTATING = frozenset(
+    {"init", "push", "pushpull", "optimizer", "set_states"}
+    | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
+)
 _PULLING = frozenset({"pull", "pushpull"})
-_MUTATING = _MUTATING | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.

@@ -216,6 +216,9 @@ def test_errors_say_what_is_wrong():
         RowSparse([12], np.ones((1, 2)), (10, 2))
     with pytest.raises(ValueError, match=r"row_sparse_pull\(key='emb'\): row id 10 is outside"):
         kv.row_sparse_pull("emb", out=RowSparse.empty((10, 2)), row_ids=[3, 10])
+    with pytest.raises(ValueError) as raised:  # as the README quotes it
+        kv.row_sparse_pull("emb", out=RowSparse.empty((10, 2)), row_ids=[12])
+    assert str(raised.value) == "row_sparse_pull(key='emb'): row id 12 is outside [0, 10)"
     with pytest.raises(ValueError, match=r"push\(key='emb'\): value shape \(11, 2\)"):
         kv.push("emb", RowSparse([1], np.ones((1, 2)), (11, 2)))
     with pytest.raises(TypeError, match="takes a kvstore.sparse.RowSparse"):
@@ -307,7 +310,7 @@ def test_admission_candidates_age_out():
 )
 def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
-    without an optimizer, summed first with one) leaves the same bits as summing the pushes
+    without an optimizer, summed first with one) leaves the same bits as adding the pushes
     in rank order and applying the sum; the rows a pushpull answers are its pushed rows."""
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
@@ -322,10 +325,12 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
             keys.add("k", n, rank, ids, rows, sync=True)
             values.append((rank, RowSparse(ids, rows, shape)))
         keys.apply("k", False, optimizer, n + 1, 0.1)
-        total = sparse.sum_rows(
-            [v for _, v in sorted(values, key=lambda x: x[0])], shape, np.float32
-        )
-        twin.apply(total.indices, total.data, optimizer, n + 1, 0.1)
+        # the reference: 0 + each push in rank order, on a dense float32 table
+        total = np.zeros(shape, np.float32)
+        for _, v in sorted(values, key=lambda x: x[0]):
+            np.add.at(total, v.indices, v.data)
+        touched = np.unique(np.concatenate([v.indices for _, v in values]))
+        twin.apply(touched, total[touched], optimizer, n + 1, 0.1)
         table = keys.tables["k"]
         for _, v in values:
             np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
@@ -404,14 +409,14 @@ def test_save_rows_step_is_the_smallest_servers_step():
     has not). save_rows returns the smallest, so an export since it cannot miss the rows of
     that push on the server that is behind."""
     from kvstore.protocol import Message
-    from kvstore.store import SparseMeta
+    from kvstore.store import Meta
     from kvstore.worker import DistStore
 
     shape = (10, 2)
     replies = {0: (5, [4]), 1: (3, [1])}  # server -> (its step, its rows changed)
     store = object.__new__(DistStore)  # no cluster: the servers' replies are given
     store._servers = [("127.0.0.1", 1), ("127.0.0.1", 2)]
-    store._sparse = {"e": SparseMeta(shape, np.dtype(np.float32), sparse.zeros())}
+    store._sparse = {"e": Meta(shape, np.dtype(np.float32))}
 
     def send(server, kind, body, arrays=(), on_reply=None):
         step, ids = replies[server]
