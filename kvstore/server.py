@@ -38,7 +38,7 @@ from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import row_server
-from .sparse import SparseKeys, check_init, dump_states, load_states
+from .sparse import SparseKeys, check_init, check_optimizer, dump_states, load_states
 
 log = logging.getLogger("kvstore.server")
 
@@ -331,28 +331,46 @@ class Server:
 
     # ---- carrying out the rounds' actions
     def _execute(self, actions: list) -> None:
+        broken: dict = {}  # row-sparse keys whose round failed to apply -> why
         for action in actions:
             if isinstance(action, Apply):
-                self._apply(action)
+                if action.key in self.rows.tables:
+                    why = self._apply_rows(action)
+                    if why:
+                        broken[action.key] = why
+                else:
+                    self._apply(action)
             elif isinstance(action, Reply):
-                self._reply(action.request)
+                why = self._broken_for(action.request, broken) if broken else ""
+                if why:  # the round it waited for was never applied: say so, do not answer
+                    self._fail_request(action.request, why)
+                else:
+                    self._reply(action.request)
             elif isinstance(action, Fail):
-                req = action.request
-                if action.text != self._last_failure:  # once, not once per request
-                    self._last_failure = action.text
-                    log.error("%s: %s", self.name, action.text)
-                reply = error_reply(req.msg, self.name, f"{self.name}: {action.text}")
-                if self._peer_lost and action.text == self._peer_lost:
-                    reply.body["lost"] = True  # the worker raises PeerLostError (exit 129)
-                self._send(req.identity, reply)
+                self._fail_request(action.request, action.text)
+
+    def _fail_request(self, req: Request, text: str) -> None:
+        if text != self._last_failure:  # once, not once per request
+            self._last_failure = text
+            log.error("%s: %s", self.name, text)
+        reply = error_reply(req.msg, self.name, f"{self.name}: {text}")
+        if self._peer_lost and text == self._peer_lost:
+            reply.body["lost"] = True  # the worker raises PeerLostError (exit 129)
+        self._send(req.identity, reply)
+
+    @staticmethod
+    def _broken_for(req: Request, broken: dict) -> str:
+        """Why a request cannot be answered: a key it names whose round failed to apply."""
+        for key in req.msg.body.get("keys") or ():
+            why = broken.get(tuple(key))
+            if why:
+                return why
+        return ""
 
     def _apply(self, action: Apply) -> None:
         """``stored = updater(value, stored)``; without an updater, assign a round's sum or
         add an async push. Never writes into an array a reply still reads."""
         key, value = action.key, action.value
-        if key in self.rows.tables:
-            self._apply_rows(action)
-            return
         old = self.stored[key]
         sends = self.sending.pop(key, None)
         busy = sends is not None and any(not s.done for s in sends)
@@ -627,6 +645,10 @@ class Server:
     # rounds are Rounds' own, fed an empty array per push, while SparseKeys holds the rows
     def _row_keys(self, msg: Message) -> list[tuple]:
         keys = [tuple(k) for k in msg.body["keys"]]
+        if not keys:  # Rounds would answer a request of no keys never
+            raise ValueError(f"{msg.kind}: no keys")
+        if msg.kind == "sparse_rows" and len(keys) != 1:
+            raise ValueError(f"sparse_rows: one key per request, got {len(keys)}")
         for key in keys:
             if key not in self.rows.tables:
                 raise KeyError(f"row-sparse key {_show(key)} was never initialised on this server")
@@ -638,33 +660,45 @@ class Server:
         """Check a request's row ids (and rows) for ``key``: sorted, unique, in range, and
         this server's (sharding.row_server)."""
         table = self.rows.tables[key]
+        self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows)
+
+    def _check_rows(self, key: tuple, nrows: int, dim: int, dtype, ids, rows=None) -> None:
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
         if ids.size:
-            if (
-                ids[0] < 0
-                or ids[-1] >= table.rows
-                or (ids.size > 1 and not (ids[1:] > ids[:-1]).all())
-            ):
+            if ids[0] < 0 or ids[-1] >= nrows or (ids.size > 1 and not (ids[1:] > ids[:-1]).all()):
                 raise ValueError(
-                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {table.rows})"
+                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows})"
                 )
             servers = self.cfg.num_server
             if servers > 1 and (row_server(ids, servers) != key[1]).any():
                 raise ValueError(f"key {_show(key)}: row ids of another server")
-        if rows is not None and (rows.dtype != table.dtype or rows.shape != (ids.size, table.dim)):
+        if rows is not None and (rows.dtype != dtype or rows.shape != (ids.size, dim)):
             raise ValueError(
                 f"key {_show(key)}: got rows {rows.shape} x {rows.dtype}, expected "
-                f"{ids.size} x {table.dim} x {table.dtype}"
+                f"{ids.size} x {dim} x {dtype}"
             )
 
     def _on_sparse_init(self, identity, rank, msg) -> None:
+        """Every key, meta and row set is checked before any key is made."""
         keys, metas = [tuple(k) for k in msg.body["keys"]], msg.body["meta"]
         if len(metas) != len(keys) or len(msg.arrays) != 2 * len(keys):
             raise ValueError("sparse_init: one meta and two arrays (ids, rows) per key")
-        for key, meta in zip(keys, metas, strict=True):
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice in one request")
+        made = []
+        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+            if len(key) != 2:
+                raise ValueError(f"sparse_init: a key is [key, part], got {list(key)!r:.60}")
+            if key[1] != self.rank:
+                raise ValueError(
+                    f"part {key[1]!r:.20} of key {key[0]!r:.60} is not this server's: "
+                    f"server {self.rank} holds part {self.rank} of every row-sparse key"
+                )
             if key in self.rows.tables or key in self.stored:
                 raise ValueError(f"key {_show(key)} is already initialised")
+            if not isinstance(meta, list) or len(meta) != 4:
+                raise ValueError(f"key {_show(key)}: meta must be [rows, dim, dtype, init]")
             rows, dim, dtype, init = meta
             if type(rows) is not int or type(dim) is not int or rows < 0 or dim < 0:
                 raise ValueError(f"key {_show(key)}: bad shape ({rows!r}, {dim!r})")
@@ -672,12 +706,11 @@ class Server:
             if dtype.kind not in "fc":
                 raise ValueError(f"key {_show(key)}: a row-sparse key holds floats, not {dtype}")
             check_init(init)
-        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
-            rows, dim, dtype, init = meta
-            table = self.rows.add_key(key, rows, dim, np.dtype(dtype), init)
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-            self._rows_of(key, ids, data)
-            table.assign(ids, data)
+            self._check_rows(key, rows, dim, dtype, ids, data)
+            made.append((key, rows, dim, dtype, init, ids, data))
+        for key, rows, dim, dtype, init, ids, data in made:
+            self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
             self.rounds.add_key(key)
         self._send(identity, Message("ack", msg.id, self.name))
 
@@ -687,17 +720,28 @@ class Server:
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_push: {len(keys)} keys need {2 * len(keys)} arrays")
         sync = bool(msg.body.get("sync", True))
-        grads = []
         for i, key in enumerate(keys):
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
             self._rows_of(key, ids, data)
+            if self.updater is not None:  # refused now, not when its round is applied
+                check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
+        grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
+        rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
+        actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
+        # the rows are filed only where the rounds took the push (not after join(), not into
+        # a dead round, not with another staleness); Apply actions run after, in _execute
         for i, key in enumerate(keys):
-            table = self.rows.tables[key]
-            round_ = self.rounds.keys[key].pushed[rank]
-            self.rows.add(key, round_, rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
-            grads.append((key, self.rows.placeholder(table.dtype)))
-        now = time.monotonic()
-        self._execute(self.rounds.push(Request(identity, msg), rank, grads, sync, now))
+            if self._took(key, rank, rounds[i], sync, actions):
+                self.rows.add(key, rounds[i], rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
+        self._execute(actions)
+
+    def _took(self, key: tuple, rank: int, round_: int, sync: bool, actions: list) -> bool:
+        """Whether ``Rounds.push`` took ``rank``'s push of ``key`` (into ``round_``)."""
+        if not sync:  # applied on arrival: an Apply for the key
+            return any(isinstance(a, Apply) and a.key == key and a.accumulate for a in actions)
+        state = self.rounds.keys[key]
+        dead = state.dead_from is not None and round_ >= state.dead_from
+        return state.pushed[rank] == round_ + 1 and not dead
 
     @metrics.served
     def _on_sparse_pull(self, identity, rank, msg) -> None:
@@ -709,32 +753,51 @@ class Server:
                 raise ValueError(f"sparse_pull: {len(keys)} keys need {len(keys)} id arrays")
             for key, ids in zip(keys, msg.arrays, strict=True):
                 self._rows_of(key, ids)
+        elif msg.body["since"] < -1:  # -1: every stored row
+            raise ValueError(f"sparse_rows: since must be a step >= -1, got {msg.body['since']}")
         self._execute(self.rounds.pull(Request(identity, msg), rank, keys))
 
     def _on_sparse_load(self, identity, rank, msg) -> None:
         keys = self._row_keys(msg)
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_load: {len(keys)} keys need {2 * len(keys)} arrays")
+        step = msg.body.get("step")
+        if step is not None and (type(step) is not int or not 0 <= step < 2**31):
+            raise ValueError(f"sparse_load: step must be an int in [0, 2**31), got {step!r:.40}")
         for i, key in enumerate(keys):
             self._rows_of(key, msg.arrays[2 * i], msg.arrays[2 * i + 1])
         for i, key in enumerate(keys):
-            self.rows.tables[key].assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
+            table = self.rows.tables[key]
+            if step is not None:
+                table.restore_step(step)
+            table.assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
         self._send(identity, Message("ack", msg.id, self.name))
 
-    def _apply_rows(self, action: Apply) -> None:
-        """A round of a row-sparse key: sum its pushes by rank, update the touched rows."""
+    def _apply_rows(self, action: Apply) -> str:
+        """A round of a row-sparse key: sum its pushes by rank, update the touched rows.
+        Returns why it failed ("" when it did not): the requests waiting for it are failed
+        with that (the round's pushes are dropped; the next round applies as usual)."""
         key = action.key
         table = self.rows.tables[key]
-        if self.updater is None:
-            self.rows.apply(key, action.accumulate)
-        else:
-            up = self.updater
-            t = up.counts[key] = up.counts.get(key, 0) + 1
-            up.num_update = max(up.num_update, t)
-            lr = up.optimizer.learning_rate(up.num_update)
-            self.rows.apply(key, action.accumulate, up.optimizer, t, lr)
+        which = "an async push" if action.accumulate else f"round {self.rows.rounds_done[key]}"
+        try:
+            if self.updater is None:
+                self.rows.apply(key, action.accumulate)
+            else:
+                up = self.updater
+                t = up.counts[key] = up.counts.get(key, 0) + 1
+                up.num_update = max(up.num_update, t)
+                lr = up.optimizer.learning_rate(up.num_update)
+                self.rows.apply(key, action.accumulate, up.optimizer, t, lr)
+        except Exception as exc:  # MemoryError, the 2**31-row limit: the server serves on
+            log.exception("%s: applying %s of %s failed", self.name, which, _show(key))
+            return (
+                f"{which} of row-sparse key {_show(key)} could not be applied: "
+                f"{type(exc).__name__}: {exc}"
+            )
         if self.rows.grown(table):
             trim()  # the superseded index arrays: back to the kernel, not kept resident
+        return ""
 
     def _reply_rows(self, req: Request) -> None:
         msg = req.msg
@@ -751,9 +814,10 @@ class Server:
             arrays = [
                 self.rows.tables[k].pushed_rows(msg.arrays[2 * i]) for i, k in enumerate(keys)
             ]
-        else:  # sparse_rows: the rows changed after a step, and the step now
+        else:  # sparse_rows: the rows changed after a step (-1: every row), and the step now
             table = self.rows.tables[keys[0]]
-            arrays = list(table.changed_since(msg.body["since"]))
+            since = None if msg.body["since"] == -1 else msg.body["since"]
+            arrays = list(table.changed_since(since))  # the worker checks since <= step
             body["step"] = table.step
         kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
         # the rows are gathered copies, never written again: no trackers

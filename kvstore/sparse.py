@@ -32,7 +32,6 @@ import numpy as np
 
 from .arrays import to_host
 
-_FLOAT_KINDS = "fc"
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CHUNK = 1 << 20  # elements per initializer chunk: bounded temporaries for big creations
 
@@ -114,9 +113,12 @@ class RowSparse:
         declares a table whose rows are created when first pushed.
 
         ``admit_after=k``: a row is stored only from the k-th round that pushes it (the
-        pushes before are dropped; reads give its initial value): rare ids cost nothing.
+        pushes before are dropped; reads give its initial value): a rare id costs no row,
+        only a candidate entry (16 bytes: id, count, last step) until admitted.
         ``evict_after=T``: a row no round has changed for T rounds is dropped (its next read
-        gives its initial value again; checked every T/2 rounds)."""
+        gives its initial value again; checked every T/2 rounds), and so is a candidate no
+        round pushed for T rounds (its count starts again). Without ``evict_after`` the
+        candidates are kept until admitted."""
         dim = int(shape[1]) if isinstance(shape, (tuple, list)) and len(shape) == 2 else 0
         spec = check_init(init)
         if admit_after != 1 or evict_after:
@@ -347,6 +349,7 @@ class RowTable:
         self.evict_after = self.init.get("evict_after", 0)
         self.cand_ids = np.empty(0, np.int64)  # rows pushed, not yet admitted (sorted)
         self.cand_counts = np.empty(0, np.int32)  # rounds that pushed each
+        self.cand_last = np.empty(0, np.int32)  # the step each was last pushed at
         self.trimmed_bytes = 0  # nbytes when the server last trimmed its heap
         # the last round's pushes: id(ids) -> (ids, their slots), so the replies of a
         # pushpull gather their rows without a second lookup (the ids object is kept, so its
@@ -360,7 +363,7 @@ class RowTable:
     def nbytes(self) -> int:
         """Memory held: the block, the states, the index (capacity, not only rows used)."""
         arrays = (self.ids, self.slots, self.block, self.changed, *self.states)
-        arrays += (self.cand_ids, self.cand_counts)
+        arrays += (self.cand_ids, self.cand_counts, self.cand_last)
         return sum(a.nbytes for a in arrays)
 
     # ---- lookup
@@ -441,10 +444,18 @@ class RowTable:
             return self.block[hit[1]]
         return self.read(ids)
 
-    def changed_since(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted."""
+    def changed_since(self, step: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted;
+        ``None``: every stored row."""
+        if step is None:
+            return self.ids.copy(), self.block[self.slots]
         keep = self.changed[self.slots] > step
         return self.ids[keep], self.block[self.slots[keep]]
+
+    def restore_step(self, step: int) -> None:
+        """Continue counting steps from ``step`` (a checkpoint's), when that is ahead."""
+        if step > self.step:
+            self.step = step
 
     # ---- writes
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -526,19 +537,28 @@ class RowTable:
         counts[known] += self.cand_counts[pos[known]]
         admitted = counts >= self.admit_after
         self.cand_counts[pos[known & ~admitted]] = counts[known & ~admitted]
+        self.cand_last[pos[known & ~admitted]] = self.step
         fresh = ~known & ~admitted
         gone = pos[known & admitted]  # admitted candidates leave the list
         cand_ids = np.insert(self.cand_ids, pos[fresh], new[fresh])
         cand_counts = np.insert(self.cand_counts, pos[fresh], counts[fresh])
+        cand_last = np.insert(self.cand_last, pos[fresh], self.step)
         gone = gone + np.searchsorted(pos[fresh], gone, side="right")
         self.cand_ids, self.cand_counts = np.delete(cand_ids, gone), np.delete(cand_counts, gone)
+        self.cand_last = np.delete(cand_last, gone)
         keep = found.copy()
         keep[~found] = admitted
         return ids[keep], rows[keep]
 
     def _evict(self, limit: int) -> None:
-        """Drop the rows last changed at step ``limit`` or before; the others are compacted
-        to the front of the blocks, in id order."""
+        """Drop the rows last changed at step ``limit`` or before (the others are compacted
+        to the front of the blocks, in id order), and the admission candidates last pushed
+        then (their count starts again)."""
+        if self.cand_ids.size:
+            recent = self.cand_last > limit
+            if not recent.all():
+                self.cand_ids, self.cand_counts = self.cand_ids[recent], self.cand_counts[recent]
+                self.cand_last = self.cand_last[recent]
         live = self.changed[self.slots] > limit
         if live.all():
             return
@@ -597,6 +617,9 @@ class SparseKeys:
         self.tables: dict = {}  # (key, part) -> RowTable
         self.pending: dict = defaultdict(dict)  # (key, part) -> {round: [(rank, ids, rows)]}
         self.arrivals: dict = defaultdict(list)  # (key, part) -> async pushes, in order
+        # (key, part) -> sync rounds applied: the round the next sync Apply is (a table's
+        # step also counts async pushes and can be restored by load_rows)
+        self.rounds_done: dict = defaultdict(int)
         self.placeholders: dict = {}  # dtype -> the empty array Rounds sums
 
     def add_key(self, where, rows: int, dim: int, dtype, init) -> RowTable:
@@ -634,7 +657,8 @@ class SparseKeys:
             ids, rows = self.arrivals[where].pop(0)
             table.apply(ids, rows, optimizer, t, lr, accumulate=True)
             return
-        pushes = self.pending[where].pop(table.step, [])
+        pushes = self.pending[where].pop(self.rounds_done[where], [])
+        self.rounds_done[where] += 1
         pushes.sort(key=lambda p: p[0])
         if optimizer is None and table.admit_after == 1:
             table.assign_sums([(i, r) for _, i, r in pushes])
@@ -646,6 +670,17 @@ class SparseKeys:
             table.recent = {
                 id(i): (i, slots[np.searchsorted(total.indices, i)]) for _, i, _ in pushes
             }
+
+
+def check_since(key, since: int | None, step: int) -> None:
+    """A ``ValueError`` saying what to do when ``save_rows(key, since)`` asks for the rows
+    changed after a step this table has not reached (a store restarted counts from 0)."""
+    if since is not None and since > step:
+        raise ValueError(
+            f"save_rows(key={key!r}): since={since} is past the current step {step} (a new "
+            "or restarted store counts steps from 0): pass since=None for every stored row, "
+            "or restore the checkpoint's step with load_rows(key, rows, step=...)"
+        )
 
 
 def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:

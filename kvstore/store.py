@@ -16,7 +16,7 @@ import numpy as np
 from . import optimizer as opt
 from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
 from .compression import Compression
-from .sparse import RowSparse, check_ids, check_optimizer, sum_rows, write_rows
+from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
 
 
 @dataclass
@@ -52,14 +52,6 @@ class Pending:
 class Meta:
     shape: tuple
     dtype: np.dtype
-
-
-@dataclass(frozen=True)
-class SparseMeta(Meta):
-    """A row-sparse key (:mod:`kvstore.sparse`): ``shape`` is (rows, dim); ``init`` the spec
-    its rows start from."""
-
-    init: dict
 
 
 @dataclass
@@ -147,7 +139,7 @@ class KVStore:
         self._key_kind: type | None = None
         self._compression: Compression | None = None
         self._pushed = False
-        self._sparse: dict = {}  # row-sparse keys -> SparseMeta (kvstore.sparse)
+        self._sparse: dict = {}  # row-sparse keys -> Meta (kvstore.sparse)
 
     # ---- identity
     @property
@@ -574,9 +566,8 @@ class KVStore:
         self._init_rows(items)
         for item in items:
             v = item.value
-            self._meta[item.key] = self._sparse[item.key] = SparseMeta(
-                v.shape, np.dtype(v.dtype), v.init or {"kind": "zeros"}
-            )
+            # a row-sparse key's Meta: shape (rows, dim); the servers keep its init spec
+            self._meta[item.key] = self._sparse[item.key] = Meta(v.shape, np.dtype(v.dtype))
             self._key_kind = type(item.key)
 
     def _row_sparse_pull_rows(self, key, out, row_ids) -> None:
@@ -628,32 +619,52 @@ class KVStore:
             items.append(RowsItem(k, outs=key_outs, ids=checked))
         return items
 
-    def save_rows(self, key, since: int = 0) -> tuple[RowSparse, int]:
-        """The rows of a row-sparse key changed after step ``since`` (a step is a round
-        applied on the servers; rows created count as changed), and the step now: pass it
-        as ``since`` next time to export only what changed in between (online training).
-        Includes every push this worker made before the call.
+    def save_rows(self, key, since: int | None = None) -> tuple[RowSparse, int]:
+        """The rows of a row-sparse key, and the step now (a step is a round applied on the
+        servers). ``since=None`` (the default): every stored row, a checkpoint; ``since=s``:
+        only the rows changed after step ``s`` (rows created count), to export what changed
+        in between (online training). Includes every push this worker made before the call.
+        A ``since`` past the current step is refused (a restarted store counts from 0 unless
+        ``load_rows`` restored the step). Under ``dist_async`` the servers' steps can differ
+        for a moment; the step returned is the smallest, so an export from it may repeat a
+        few rows but never misses one.
 
-        >>> rows, step = kv.save_rows('emb', since=0)  # doctest: +SKIP
+        >>> rows, step = kv.save_rows('emb')  # doctest: +SKIP
         >>> later, step = kv.save_rows('emb', since=step)  # doctest: +SKIP
+        >>> kv2.load_rows('emb', rows, step=step)  # doctest: +SKIP
         """
         k = _norm_key(key)
         if k not in self._sparse:
             raise KeyError(f"save_rows(key={k!r}): not a row-sparse key (init it with a RowSparse)")
-        if isinstance(since, bool) or not isinstance(since, (int, np.integer)) or since < 0:
-            raise ValueError(f"save_rows(key={k!r}): since must be a step >= 0, got {since!r}")
-        return self._save_rows(k, int(since))
+        if since is not None and (
+            isinstance(since, bool) or not isinstance(since, (int, np.integer)) or since < 0
+        ):
+            raise ValueError(
+                f"save_rows(key={k!r}): since must be None or a step >= 0, got {since!r}"
+            )
+        return self._save_rows(k, None if since is None else int(since))
 
-    def load_rows(self, key, value: RowSparse) -> None:
-        """Set rows of a row-sparse key (from :meth:`save_rows`), bypassing the optimizer."""
+    def load_rows(self, key, value: RowSparse, step: int | None = None) -> None:
+        """Set rows of a row-sparse key (from :meth:`save_rows`), bypassing the optimizer.
+        ``step`` (the one ``save_rows`` returned): the key's steps continue from there, so
+        ``save_rows(key, since=step)`` keeps working after a restart."""
         k = _norm_key(key)
         if k not in self._sparse:
             raise KeyError(f"load_rows(key={k!r}): not a row-sparse key (init it with a RowSparse)")
         meta = self._sparse[k]
         if not isinstance(value, RowSparse) or value.shape != meta.shape:
             raise ValueError(f"load_rows(key={k!r}): expected a RowSparse of shape {meta.shape}")
+        if step is not None and (
+            isinstance(step, bool)
+            or not isinstance(step, (int, np.integer))
+            or not 0 <= step < 2**31
+        ):
+            raise ValueError(
+                f"load_rows(key={k!r}): step must be None or in [0, 2**31), got {step!r}"
+            )
         c = value.canonical()
-        self._load_rows(k, RowSparse(c.indices, c.data.astype(meta.dtype, copy=False), meta.shape))
+        rows = RowSparse(c.indices, c.data.astype(meta.dtype, copy=False), meta.shape)
+        self._load_rows(k, rows, None if step is None else int(step))
 
     def is_capable(self, capability: str) -> bool:
         """MXNet's capability query: ``'optimizer'`` (updates on the store) is True."""
@@ -740,10 +751,10 @@ class KVStore:
     def _pull_rows(self, items):
         raise NotImplementedError
 
-    def _save_rows(self, key, since: int):
+    def _save_rows(self, key, since: int | None):
         raise NotImplementedError
 
-    def _load_rows(self, key, value):
+    def _load_rows(self, key, value, step: int | None):
         raise NotImplementedError
 
     def _pushpull(self, items):
@@ -870,10 +881,14 @@ class LocalStore(KVStore):
             for out, ids in zip(item.outs, item.ids, strict=True):
                 write_rows(out, ids, table.read)
 
-    def _save_rows(self, key, since: int):
+    def _save_rows(self, key, since: int | None):
         table = self._tables[key]
+        check_since(key, since, table.step)
         ids, rows = table.changed_since(since)
         return RowSparse(ids, rows, self._sparse[key].shape), table.step
 
-    def _load_rows(self, key, value):
-        self._tables[key].assign(value.indices, value.data)
+    def _load_rows(self, key, value, step: int | None):
+        table = self._tables[key]
+        if step is not None:
+            table.restore_step(step)
+        table.assign(value.indices, value.data)

@@ -49,9 +49,11 @@ log = logging.getLogger("kvstore.worker")
 
 # Requests whose refusal by one server leaves the servers disagreeing (rounds, optimizer):
 # the store fails with it.
-_MUTATING = frozenset({"init", "push", "pushpull", "optimizer", "set_states"})
+_MUTATING = frozenset(
+    {"init", "push", "pushpull", "optimizer", "set_states"}
+    | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
+)
 _PULLING = frozenset({"pull", "pushpull"})
-_MUTATING = _MUTATING | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -634,14 +636,15 @@ class DistStore(KVStore):
         ids, _ = self._commit("row_sparse_pull", outgoing, collector)
         self._collect("row_sparse_pull", ids, [], collector)
 
-    def _save_rows(self, key, since: int):
+    def _save_rows(self, key, since: int | None):
         parts: list = []
 
         def keep(msg):
             parts.append((msg.body.get("step", 0), *msg.arrays[:2]))
 
+        wire = -1 if since is None else since  # -1: every stored row
         ids = [
-            self._send(s, "sparse_rows", {"keys": [[key, s]], "since": since}, on_reply=keep)
+            self._send(s, "sparse_rows", {"keys": [[key, s]], "since": wire}, on_reply=keep)
             for s in range(len(self._servers))
         ]
         self._wait("save_rows", ids)
@@ -649,18 +652,25 @@ class DistStore(KVStore):
         found = [p for p in parts if len(p) == 3]
         if len(found) != len(self._servers):
             raise KVStoreError(f"save_rows(key={key!r}): a server's reply holds no rows")
+        for step, _, _ in found:  # every reply read: none is left to come in later
+            sparse.check_since(key, since, step)
         value = sparse.RowSparse(
             np.concatenate([p[1] for p in found]),
             np.concatenate([p[2].reshape(-1, meta.shape[1]) for p in found]),
             meta.shape,
         ).canonical()
-        return value, max(p[0] for p in found)
+        # the smallest step: under dist_async a server may not yet have applied a push
+        # another has; an export since the largest would miss that push's rows for good
+        return value, min(p[0] for p in found)
 
-    def _load_rows(self, key, value):
+    def _load_rows(self, key, value, step: int | None):
         ids = []
+        body: dict = {"keys": None}
+        if step is not None:
+            body["step"] = step
         for s, pos in enumerate(sparse.split_by_server(value.indices, len(self._servers))):
             arrays = [value.indices[pos], np.ascontiguousarray(value.data[pos])]
-            ids.append(self._send(s, "sparse_load", {"keys": [[key, s]]}, arrays))
+            ids.append(self._send(s, "sparse_load", {**body, "keys": [[key, s]]}, arrays))
         self._wait("load_rows", ids)
 
     # ---- collective and control

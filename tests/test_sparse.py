@@ -127,9 +127,14 @@ def test_local_store_matches_dense_model(ops, momentum, init):
                 outs[1].data, dense[sorted(set(arg[-1]))], rtol=1e-5, atol=1e-5
             )
         else:
+            if arg > step:
+                with pytest.raises(ValueError, match="past the current step"):
+                    kv.save_rows("e", since=arg)
+                arg = None
             rows, now = kv.save_rows("e", since=arg)
             assert now == step
-            assert rows.indices.tolist() == np.flatnonzero(changed > arg).tolist()
+            want = np.flatnonzero(changed >= 0 if arg is None else changed > arg)
+            assert rows.indices.tolist() == want.tolist()
             np.testing.assert_allclose(rows.data, dense[rows.indices], rtol=1e-5, atol=1e-5)
 
 
@@ -211,6 +216,9 @@ def test_errors_say_what_is_wrong():
         RowSparse([12], np.ones((1, 2)), (10, 2))
     with pytest.raises(ValueError, match=r"row_sparse_pull\(key='emb'\): row id 10 is outside"):
         kv.row_sparse_pull("emb", out=RowSparse.empty((10, 2)), row_ids=[3, 10])
+    with pytest.raises(ValueError) as raised:  # as the README quotes it
+        kv.row_sparse_pull("emb", out=RowSparse.empty((10, 2)), row_ids=[12])
+    assert str(raised.value) == "row_sparse_pull(key='emb'): row id 12 is outside [0, 10)"
     with pytest.raises(ValueError, match=r"push\(key='emb'\): value shape \(11, 2\)"):
         kv.push("emb", RowSparse([1], np.ones((1, 2)), (11, 2)))
     with pytest.raises(TypeError, match="takes a kvstore.sparse.RowSparse"):
@@ -257,18 +265,20 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict):
     reads as its initial value."""
     init = sparse.uniform(-1, 1, seed=2)
     table = RowTable(2, np.float32, {**init, "admit_after": admit, "evict_after": evict})
-    stored, counts, last = {}, {}, {}
+    stored, counts, last, seen = {}, {}, {}, {}
     for r, ids in enumerate(rounds, 1):
         ids = sorted(set(ids))
         if evict and r % max(1, evict // 2) == 0:
             for i in [i for i in stored if last[i] <= r - 1 - evict]:
                 del stored[i], last[i]
+            for i in [i for i in counts if seen[i] <= r - 1 - evict]:  # candidates age too
+                del counts[i], seen[i]
         for i in ids:
             if i not in stored:
-                counts[i] = counts.get(i, 0) + 1
+                counts[i], seen[i] = counts.get(i, 0) + 1, r
                 if counts[i] < admit:
                     continue
-                del counts[i]
+                del counts[i], seen[i]
             stored[i], last[i] = float(r), r
         table.apply(np.array(ids, np.int64), np.full((len(ids), 2), r, np.float32))
     everything = np.arange(16)
@@ -277,6 +287,19 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict):
     np.testing.assert_array_equal(table.read(everything), want)
     assert len(table) == len(stored)
     assert sorted(table.ids.tolist()) == sorted(stored)
+    assert table.cand_ids.tolist() == sorted(counts)
+    assert table.cand_counts.tolist() == [counts[i] for i in sorted(counts)]
+
+
+def test_admission_candidates_age_out():
+    """An id pushed once, then not for evict_after rounds, is no candidate any more: its
+    count starts again, and the candidates cannot grow without bound."""
+    table = RowTable(2, np.float32, {**sparse.zeros(), "admit_after": 2, "evict_after": 2})
+    for r in range(200):
+        table.apply(np.array([1000 + r], np.int64), np.ones((1, 2), np.float32))
+    assert table.cand_ids.size <= 3, table.cand_ids.size
+    table.apply(np.array([1000], np.int64), np.ones((1, 2), np.float32))
+    assert len(table) == 0  # its first push was forgotten: one push counted, not two
 
 
 @settings(max_examples=80, deadline=None)
@@ -287,7 +310,7 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict):
 )
 def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
-    without an optimizer, summed first with one) leaves the same bits as summing the pushes
+    without an optimizer, summed first with one) leaves the same bits as adding the pushes
     in rank order and applying the sum; the rows a pushpull answers are its pushed rows."""
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
@@ -302,10 +325,12 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
             keys.add("k", n, rank, ids, rows, sync=True)
             values.append((rank, RowSparse(ids, rows, shape)))
         keys.apply("k", False, optimizer, n + 1, 0.1)
-        total = sparse.sum_rows(
-            [v for _, v in sorted(values, key=lambda x: x[0])], shape, np.float32
-        )
-        twin.apply(total.indices, total.data, optimizer, n + 1, 0.1)
+        # the reference: 0 + each push in rank order, on a dense float32 table
+        total = np.zeros(shape, np.float32)
+        for _, v in sorted(values, key=lambda x: x[0]):
+            np.add.at(total, v.indices, v.data)
+        touched = np.unique(np.concatenate([v.indices for _, v in values]))
+        twin.apply(touched, total[touched], optimizer, n + 1, 0.1)
         table = keys.tables["k"]
         for _, v in values:
             np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
@@ -347,3 +372,58 @@ def test_optimizer_states_of_rows_save_and_load(tmp_path, name):
     kv.row_sparse_pull("e", out=a, row_ids=ids)
     restored.row_sparse_pull("e", out=b, row_ids=ids)
     np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_checkpoint_holds_rows_never_pushed():
+    """save_rows() is a checkpoint: the rows a key was initialised with count, and a store
+    restored with load_rows(step=...) gives the same rows and continues the step; a since
+    past the current step is refused, saying what to do."""
+    import kvstore
+
+    shape = (10, 2)
+    kv = kvstore.create("local")
+    kv.init("e", RowSparse([1, 2], np.full((2, 2), 5.0, np.float32), shape))
+    rows, step = kv.save_rows("e")
+    assert rows.indices.tolist() == [1, 2] and step == 0
+    kv.push("e", RowSparse([3], np.ones((1, 2), np.float32), shape))
+    rows, step = kv.save_rows("e")
+    assert rows.indices.tolist() == [1, 2, 3] and step == 1
+    assert kv.save_rows("e", since=0)[0].indices.tolist() == [3]
+    restored = kvstore.create("local")
+    restored.init("e", RowSparse.empty(shape, np.float32))
+    restored.load_rows("e", rows, step=step)
+    again, now = restored.save_rows("e")
+    assert again.indices.tolist() == [1, 2, 3] and now == step
+    np.testing.assert_array_equal(again.data, rows.data)
+    assert restored.save_rows("e", since=step)[0].nnz == 0
+    restored.push("e", RowSparse([4], np.ones((1, 2), np.float32), shape))
+    assert restored.save_rows("e", since=step)[0].indices.tolist() == [4]
+    fresh = kvstore.create("local")
+    fresh.init("e", RowSparse.empty(shape, np.float32))
+    with pytest.raises(ValueError, match=r"since=1 is past the current step 0.*since=None"):
+        fresh.save_rows("e", since=1)
+
+
+def test_save_rows_step_is_the_smallest_servers_step():
+    """dist_async: the servers' steps differ for a moment (one has applied a push another
+    has not). save_rows returns the smallest, so an export since it cannot miss the rows of
+    that push on the server that is behind."""
+    from kvstore.protocol import Message
+    from kvstore.store import Meta
+    from kvstore.worker import DistStore
+
+    shape = (10, 2)
+    replies = {0: (5, [4]), 1: (3, [1])}  # server -> (its step, its rows changed)
+    store = object.__new__(DistStore)  # no cluster: the servers' replies are given
+    store._servers = [("127.0.0.1", 1), ("127.0.0.1", 2)]
+    store._sparse = {"e": Meta(shape, np.dtype(np.float32))}
+
+    def send(server, kind, body, arrays=(), on_reply=None):
+        step, ids = replies[server]
+        rows = [np.array(ids, np.int64), np.ones((len(ids), 2), np.float32)]
+        on_reply(Message("ack", server, "server", {"step": step}, rows))
+        return server
+
+    store._send, store._wait = send, lambda what, ids=None: None
+    rows, step = store._save_rows("e", 2)
+    assert rows.indices.tolist() == [1, 4] and step == 3

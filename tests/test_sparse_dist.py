@@ -38,3 +38,10 @@ def test_sparse_join_uneven_inputs(cluster):
     c = cluster(2, 3)
     outs = c.run_workers("sparse_join.py", timeout=120)
     assert all("OK join rows" in o for o in outs), outs
+
+
+@pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
+def test_checkpoint_of_rows_holds_rows_never_pushed(cluster, kind):
+    c = cluster(2, 2)
+    outs = c.run_workers("sparse_checkpoint.py", [kind], timeout=120)
+    assert all("OK checkpoint rows" in o for o in outs), outs
