@@ -331,15 +331,22 @@ class Server:
 
     # ---- carrying out the rounds' actions
     def _execute(self, actions: list) -> None:
-        broken: dict = {}  # row-sparse keys whose round failed to apply -> why
+        broken: dict = {}  # keys whose round failed to apply -> why
         for action in actions:
             if isinstance(action, Apply):
                 if action.key in self.rows.tables:
                     why = self._apply_rows(action)
                     if why:
                         broken[action.key] = why
-                else:
+                    continue
+                try:
                     self._apply(action)
+                except Exception as exc:  # the updater raised, memory ran out: every request
+                    # waiting on this round hears why (they follow in this list), none hangs
+                    broken[action.key] = (
+                        f"the round of key {_show(action.key)} could not be applied: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
             elif isinstance(action, Reply):
                 why = self._broken_for(action.request, broken) if broken else ""
                 if why:  # the round it waited for was never applied: say so, do not answer

@@ -160,3 +160,32 @@ def test_malformed_requests_are_refused_and_change_nothing():
             request(s, 0, kind, body, arrays)
     (ok,) = request(s, 0, "sparse_rows", {"keys": [["a", 0]], "since": -1})
     assert ok[1].kind == "ack"
+
+
+def test_a_dense_round_that_fails_to_apply_answers_every_waiting_request():
+    """The same for a dense key: an updater that raises fails every request waiting on the
+    round, not only the push that completed it."""
+    s = make_server(2)
+    s._ranks = {b"worker-0": 0, b"worker-1": 1}
+    request_dense = {"init": s._on_init, "push": s._on_push, "pull": s._on_pull}
+
+    def call(rank, kind, body, arrays=()):
+        before = len(s.sent)
+        msg = Message(kind, len(s.sent) + 100 * rank, f"worker-{rank}", body, list(arrays))
+        request_dense[kind](f"worker-{rank}".encode(), rank, msg)
+        return s.sent[before:]
+
+    call(0, "init", {"keys": [["w", 0]]}, [np.zeros(3, np.float32)])
+
+    def broken(key, grad, weight):
+        raise FloatingPointError("the update overflowed")
+
+    s.updater = broken
+    assert call(0, "push", {"keys": [["w", 0]]}, [np.ones(3, np.float32)]) == []
+    replies = call(1, "push", {"keys": [["w", 0]]}, [np.ones(3, np.float32)])
+    assert sorted(r[0] for r in replies) == [b"worker-0", b"worker-1"]
+    for _, msg in replies:
+        assert (
+            msg.kind == "error"
+            and "FloatingPointError: the update overflowed" in (msg.body["message"])
+        )
