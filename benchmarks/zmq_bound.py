@@ -33,6 +33,10 @@ def _echo(port_queue) -> None:
     tune_allocator()  # the same allocator settings kvstore's processes use
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
+    # no high-water mark: 1000 pipelined replies must not be dropped (a ROUTER drops what it
+    # cannot queue), which left the caller waiting for ever
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
     port_queue.put(sock.bind_to_random_port("tcp://127.0.0.1"))
     while True:
         frames = sock.recv_multipart(copy=False)
@@ -54,6 +58,9 @@ class EchoServer:
         port = queue.get(timeout=30)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a lost reply is an error, not a hang
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         return self
 
