@@ -176,10 +176,12 @@ class Rounds:
         self._requests[request] = len(grads)
         for key, grad in grads:
             state = self.keys[key]
-            wrong = self._check_staleness(state, rank, staleness) or self._check_member(state, rank)
-            if wrong:
-                self._fail(request, wrong, actions)
-                continue
+            if state.staleness != staleness or state.outsiders:  # the common case skips both
+                wrong = self._check_staleness(state, rank, staleness)
+                wrong = wrong or self._check_member(state, rank)
+                if wrong:
+                    self._fail(request, wrong, actions)
+                    continue
             if not sync:
                 actions.append(Apply(key, grad, accumulate=True))
                 self._key_ready(request, actions)
@@ -209,7 +211,8 @@ class Rounds:
                 self._add(state, rank, grad, now)
             else:
                 state.queued[n].append((rank, grad))
-            self._advance(state, now, actions)
+            if state.total is not None or not self.reproducible:  # else nothing completes
+                self._advance(state, now, actions)
         return actions
 
     def pull(
@@ -221,10 +224,12 @@ class Rounds:
         self._requests[request] = len(keys)
         for key in keys:
             state = self.keys[key]
-            wrong = self._check_staleness(state, rank, staleness) or self._check_member(state, rank)
-            if wrong:
-                self._fail(request, wrong, actions)
-                continue
+            if state.staleness != staleness or state.outsiders:  # the common case skips both
+                wrong = self._check_staleness(state, rank, staleness)
+                wrong = wrong or self._check_member(state, rank)
+                if wrong:
+                    self._fail(request, wrong, actions)
+                    continue
             bound = staleness if staleness is not None and staleness > 0 and not flush else 0
             need = state.pushed[rank] - bound
             if state.done >= need:
@@ -434,10 +439,10 @@ class Rounds:
             state.spares.append(buffer)
 
     def _complete(self, state: _Key) -> bool:
-        if state.count == 0:
-            return False
         if self.reproducible:  # the root is in once every rank's leaf is
             return state.total is not None
+        if state.count == 0:
+            return False
         out = state.outsiders
         if not self.joined_ranks:  # each rank adds one push to a round: count them
             return state.count == self.num_workers - len(out)
@@ -446,14 +451,6 @@ class Rounds:
             for rank, n in enumerate(state.pushed)
         )
 
-    def _take_total(self, state: _Key) -> np.ndarray:
-        if self.reproducible:
-            total = state.total
-        else:
-            total = state.first if state.count == 1 else state.acc
-        self._clear(state)
-        return total
-
     def _clear(self, state: _Key) -> None:
         state.first = state.acc = state.total = None
         state.count = 0
@@ -461,7 +458,12 @@ class Rounds:
 
     def _advance(self, state: _Key, now: float, actions: list) -> None:
         while self._complete(state) and (state.dead_from is None or state.done < state.dead_from):
-            actions.append(Apply(state.name, self._take_total(state), accumulate=False))
+            if self.reproducible:
+                total = state.total
+            else:
+                total = state.first if state.count == 1 else state.acc
+            self._clear(state)
+            actions.append(Apply(state.name, total, accumulate=False))
             state.done += 1
             for request in state.waiting.pop(state.done, ()):
                 self._key_ready(request, actions)
