@@ -608,9 +608,8 @@ class Server:
         staleness = _staleness(msg)
         if staleness is not None and (staleness < 0) == sync:
             raise ValueError("ssp: an unbounded (-1) dist_ssp push is async, a bounded one sync")
-        if (
-            staleness is not None and staleness > 0 and self._shm_of
-        ):  # kept past its answer: the worker may write it again
+        # dist_ssp keeps a push past its answer, and the worker may then write its segment
+        if staleness is not None and staleness > 0 and self._shm_of:
             grads = [(k, g.copy() if _in_segment(g) else g) for k, g in grads]
         now = time.monotonic()
         request = Request(identity, msg)

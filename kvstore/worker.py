@@ -513,18 +513,15 @@ class DistStore(KVStore):
         for item in items:
             first = item.values[0]
             self._planner.add_key(item.key, first.size, first.dtype)
-        if members is not None:  # every member initialises a group's keys: no barrier
+        # rank 0 initialises the keys for everyone, then a barrier; every member initialises
+        # a group's keys, with no barrier across all workers
+        if members is not None or self._rank == 0:
             keys = [item.key for item in items]
             flats = [self._flat(item.values[:1]) for item in items]
             ids, _ = self._commit("init", self._planner.init(keys, flats, members))
             self._wait("init", ids)
-            return
-        if self._rank == 0:
-            keys = [item.key for item in items]
-            flats = [self._flat(item.values[:1]) for item in items]
-            ids, _ = self._commit("init", self._planner.init(keys, flats))
-            self._wait("init", ids)
-        self.barrier()
+        if members is None:
+            self.barrier()
 
     def _push_plan(self, kind: str, items) -> list[Outgoing]:
         return self._planner.push(
@@ -560,8 +557,8 @@ class DistStore(KVStore):
             unacked.pop(item.key, None)
         clock = 0
         for item in items:
-            clock = max(clock, clocks.get(item.key, 0) + 1)
-            clocks[item.key] = clocks.get(item.key, 0) + 1
+            clocks[item.key] = mine = clocks.get(item.key, 0) + 1
+            clock = max(clock, mine)
         m = self._control.metrics
         if m is not None and clock > m.clock:
             m.clock = clock
