@@ -1038,6 +1038,19 @@ def allreduce_(
     return synchronize(handle)
 
 
+def _apply_compressed(what: str, function, tensors, compression, args: tuple) -> list:
+    """``function.apply(*args, *tensors)`` for the blocking collective ``what``, with its
+    checks: ``tensors`` a list of tensors, ``args[-1]`` a process set this worker is in. Each
+    tensor travels compressed and each output comes back decompressed."""
+    tensors = _check_tensors(what, tensors)
+    _group(args[-1], what)
+    if not tensors:
+        return []
+    compressed = [compression.compress(t) for t in tensors]
+    outs = function.apply(*args, *[c for c, _ in compressed])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+
+
 def _copy_into(tensors: list, values: list) -> list:
     with torch.no_grad():
         for t, v in zip(tensors, values, strict=True):
@@ -1061,15 +1074,8 @@ def grouped_allreduce(
     >>> a, b = hvd.grouped_allreduce([a, b], op=hvd.Sum)  # doctest: +SKIP
     """
     op = _resolve_op(average, op)
-    tensors = _check_tensors("grouped_allreduce", tensors)
-    _group(process_set, "grouped_allreduce")
-    if not tensors:
-        return []
-    compressed = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(
-        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
-    )
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+    args = (name, op, prescale_factor, postscale_factor, process_set)
+    return _apply_compressed("grouped_allreduce", _GroupedAllreduce, tensors, compression, args)
 
 
 def grouped_allreduce_async(
@@ -1455,11 +1461,8 @@ def reducescatter(
     >>> mine = hvd.reducescatter(torch.ones(4, 3), op=hvd.Sum)  # doctest: +SKIP
     """
     _check_tensor("reducescatter", tensor)
-    _group(process_set, "reducescatter")
-    compressed, ctx = compression.compress(tensor)
-    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, compressed)
-    out = out[0]
-    return compression.decompress(out, ctx)
+    args = (name, op, prescale_factor, postscale_factor, process_set)
+    return _apply_compressed("reducescatter", _Reducescatter, [tensor], compression, args)[0]
 
 
 def grouped_reducescatter(
@@ -1472,15 +1475,8 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list:
     """:func:`reducescatter` of every tensor of the list, in one call; returns a list."""
-    tensors = _check_tensors("grouped_reducescatter", tensors)
-    _group(process_set, "grouped_reducescatter")
-    if not tensors:
-        return []
-    compressed = [compression.compress(t) for t in tensors]
-    outs = _Reducescatter.apply(
-        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
-    )
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+    args = (name, op, prescale_factor, postscale_factor, process_set)
+    return _apply_compressed("grouped_reducescatter", _Reducescatter, tensors, compression, args)
 
 
 def reducescatter_async(
