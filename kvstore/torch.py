@@ -2197,17 +2197,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
             f"Compressor, got {compression!r}"
         )
     named = _names(optimizer, named_parameters)
-    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
-    dist = cls.__new__(cls)
-    # Share the wrapped optimizer's state: param_groups, state, defaults, hooks. A step
-    # stored on the instance (an LR scheduler's counter) would call the unwrapped step.
-    dist.__dict__.update(
-        {
-            k: v
-            for k, v in optimizer.__dict__.items()
-            if k != "step" and getattr(v, "__self__", None) is not optimizer
-        }
-    )
+    dist = _wrapped(optimizer, _DistributedMixin)
     dist._kvt_sparse_as_dense = sparse_as_dense
     dist._kvt_setup(
         named,
@@ -2217,6 +2207,22 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
         gradient_predivide_factor,
         int(bucket_cap_mb * 2**20),
         group,
+    )
+    return dist
+
+
+def _wrapped(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class with ``mixin`` before it, on the same state."""
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
+    dist = cls.__new__(cls)
+    # Share the wrapped optimizer's state: param_groups, state, defaults, hooks. A step
+    # stored on the instance (an LR scheduler's counter) would call the unwrapped step.
+    dist.__dict__.update(
+        {
+            k: v
+            for k, v in optimizer.__dict__.items()
+            if k != "step" and getattr(v, "__self__", None) is not optimizer
+        }
     )
     return dist
 
@@ -2259,15 +2265,7 @@ def _adasum_optimizer(optimizer, named_parameters, compression, process_set):
     params = list({id(p): p for p in params}.values())
     _names(optimizer, named_parameters)  # Horovod's checks of the names
     _check_adasum("DistributedOptimizer", params, group)
-    cls = type(optimizer.__class__.__name__, (_AdasumMixin, optimizer.__class__), {})
-    dist = cls.__new__(cls)
-    dist.__dict__.update(
-        {
-            k: v
-            for k, v in optimizer.__dict__.items()
-            if k != "step" and getattr(v, "__self__", None) is not optimizer
-        }
-    )
+    dist = _wrapped(optimizer, _AdasumMixin)
     dist._kvt_adasum_params = params
     dist._kvt_compression = compression
     return dist
