@@ -1038,6 +1038,19 @@ def allreduce_(
     return synchronize(handle)
 
 
+def _apply_compressed(what: str, function, tensors, compression, args: tuple) -> list:
+    """``function.apply(*args, *tensors)`` for the blocking collective ``what``, with its
+    checks: ``tensors`` a list of tensors, ``args[-1]`` a process set this worker is in. Each
+    tensor travels compressed and each output comes back decompressed."""
+    tensors = _check_tensors(what, tensors)
+    _group(args[-1], what)
+    if not tensors:
+        return []
+    compressed = [compression.compress(t) for t in tensors]
+    outs = function.apply(*args, *[c for c, _ in compressed])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+
+
 def _copy_into(tensors: list, values: list) -> list:
     with torch.no_grad():
         for t, v in zip(tensors, values, strict=True):
@@ -1061,15 +1074,8 @@ def grouped_allreduce(
     >>> a, b = hvd.grouped_allreduce([a, b], op=hvd.Sum)  # doctest: +SKIP
     """
     op = _resolve_op(average, op)
-    tensors = _check_tensors("grouped_allreduce", tensors)
-    _group(process_set, "grouped_allreduce")
-    if not tensors:
-        return []
-    compressed = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(
-        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
-    )
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+    args = (name, op, prescale_factor, postscale_factor, process_set)
+    return _apply_compressed("grouped_allreduce", _GroupedAllreduce, tensors, compression, args)
 
 
 def grouped_allreduce_async(
@@ -1455,11 +1461,8 @@ def reducescatter(
     >>> mine = hvd.reducescatter(torch.ones(4, 3), op=hvd.Sum)  # doctest: +SKIP
     """
     _check_tensor("reducescatter", tensor)
-    _group(process_set, "reducescatter")
-    compressed, ctx = compression.compress(tensor)
-    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, compressed)
-    out = out[0]
-    return compression.decompress(out, ctx)
+    args = (name, op, prescale_factor, postscale_factor, process_set)
+    return _apply_compressed("reducescatter", _Reducescatter, [tensor], compression, args)[0]
 
 
 def grouped_reducescatter(
@@ -1472,15 +1475,8 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list:
     """:func:`reducescatter` of every tensor of the list, in one call; returns a list."""
-    tensors = _check_tensors("grouped_reducescatter", tensors)
-    _group(process_set, "grouped_reducescatter")
-    if not tensors:
-        return []
-    compressed = [compression.compress(t) for t in tensors]
-    outs = _Reducescatter.apply(
-        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
-    )
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
+    args = (name, op, prescale_factor, postscale_factor, process_set)
+    return _apply_compressed("grouped_reducescatter", _Reducescatter, tensors, compression, args)
 
 
 def reducescatter_async(
@@ -2201,17 +2197,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
             f"Compressor, got {compression!r}"
         )
     named = _names(optimizer, named_parameters)
-    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
-    dist = cls.__new__(cls)
-    # Share the wrapped optimizer's state: param_groups, state, defaults, hooks. A step
-    # stored on the instance (an LR scheduler's counter) would call the unwrapped step.
-    dist.__dict__.update(
-        {
-            k: v
-            for k, v in optimizer.__dict__.items()
-            if k != "step" and getattr(v, "__self__", None) is not optimizer
-        }
-    )
+    dist = _wrapped(optimizer, _DistributedMixin)
     dist._kvt_sparse_as_dense = sparse_as_dense
     dist._kvt_setup(
         named,
@@ -2221,6 +2207,22 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory returning an
         gradient_predivide_factor,
         int(bucket_cap_mb * 2**20),
         group,
+    )
+    return dist
+
+
+def _wrapped(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class with ``mixin`` before it, on the same state."""
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
+    dist = cls.__new__(cls)
+    # Share the wrapped optimizer's state: param_groups, state, defaults, hooks. A step
+    # stored on the instance (an LR scheduler's counter) would call the unwrapped step.
+    dist.__dict__.update(
+        {
+            k: v
+            for k, v in optimizer.__dict__.items()
+            if k != "step" and getattr(v, "__self__", None) is not optimizer
+        }
     )
     return dist
 
@@ -2263,15 +2265,7 @@ def _adasum_optimizer(optimizer, named_parameters, compression, process_set):
     params = list({id(p): p for p in params}.values())
     _names(optimizer, named_parameters)  # Horovod's checks of the names
     _check_adasum("DistributedOptimizer", params, group)
-    cls = type(optimizer.__class__.__name__, (_AdasumMixin, optimizer.__class__), {})
-    dist = cls.__new__(cls)
-    dist.__dict__.update(
-        {
-            k: v
-            for k, v in optimizer.__dict__.items()
-            if k != "step" and getattr(v, "__self__", None) is not optimizer
-        }
-    )
+    dist = _wrapped(optimizer, _AdasumMixin)
     dist._kvt_adasum_params = params
     dist._kvt_compression = compression
     return dist
