@@ -914,17 +914,18 @@ def test_horovod_mnist_example_matches_one_process():
     assert "Traceback" not in dist and "Exception ignored" not in dist
 
 
-def test_horovod_synthetic_benchmark_example_runs():
-    """Horovod's pytorch_synthetic_benchmark.py, its import changed, a few steps of ResNet-18."""
+@pytest.mark.parametrize("net", ["resnet18", "resnet50"])
+def test_horovod_synthetic_benchmark_example_runs(net):
+    """Horovod's pytorch_synthetic_benchmark.py, its import changed, a few steps of a ResNet."""
     example = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
     code = "\n".join(line for line in example.read_text().splitlines() if not line.startswith("#"))
     assert "import kvstore.torch as hvd" in code and "horovod.torch" not in code
     out = launch(
         example,
-        *("--model", "resnet18", "--batch-size", "2", "--num-warmup-batches", "1"),
+        *("--model", net, "--batch-size", "2", "--num-warmup-batches", "1"),
         *("--num-batches-per-iter", "1", "--num-iters", "2"),
     )
-    assert "Model: resnet18" in out and "Number of CPUs: 2" in out, out
+    assert f"Model: {net}" in out and "Number of CPUs: 2" in out, out
     assert "Img/sec per CPU: " in out and "Total img/sec on 2 CPU(s): " in out, out
     assert "Traceback" not in out
 
