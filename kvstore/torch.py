@@ -1817,10 +1817,11 @@ class _SyncBatchNorm(torch.autograd.Function):
             sums = _host(torch.cat([sum_dy, sum_dy_xhat]))
             g = ctx.group
             _sum(g, [_key(g, "bn.sums", None, sums.dtype, sums.shape)], [sums])
-            g_dy = torch.from_numpy(sums[:channels]).view(shape)
-            g_dy_xhat = torch.from_numpy(sums[channels:]).view(shape)
+            # the sums come back in host memory: onto the input's device (a GPU's) and dtype
+            g_dy = torch.from_numpy(sums[:channels]).view(shape).to(dy)
+            g_dy_xhat = torch.from_numpy(sums[channels:]).view(shape).to(dy)
             scale = invstd if weight is None else invstd * weight.to(invstd)
-            grad_input = (dy - (g_dy + xhat * g_dy_xhat).to(dy) / ctx.total) * scale.view(shape)
+            grad_input = (dy - (g_dy + xhat * g_dy_xhat) / ctx.total) * scale.view(shape)
             grad_input = grad_input.to(grad.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = sum_dy_xhat.to(weight.dtype)
@@ -1891,7 +1892,8 @@ class _Bucket:
     pulled as one key. After :meth:`synchronize <_DistributedMixin.synchronize>` each
     ``p.grad`` is a view into ``grads`` (DDP's ``gradient_as_bucket_view``): the averages
     are made in place, one pass per bucket. ``grads`` is the wire buffer itself where the
-    gradient travels in its own dtype, else a buffer of the parameters' dtype."""
+    gradient travels in its own dtype from host memory, else a buffer of the parameters'
+    dtype on their device."""
 
     def __init__(self, key: str, dtype: np.dtype, params: list):
         self.key = key
@@ -1902,9 +1904,10 @@ class _Bucket:
             offset += p.numel()
         self.host = np.zeros(offset, dtype)
         self.flat = torch.from_numpy(self.host)
-        grad_dtype = params[0].dtype
-        same = self.flat.dtype == grad_dtype
-        self.grads = self.flat if same else torch.zeros(offset, dtype=grad_dtype)
+        grad_dtype, device = params[0].dtype, params[0].device
+        same = self.flat.dtype == grad_dtype and device.type == "cpu"
+        # the averages go where the parameters are: a GPU's memory for a model on a GPU
+        self.grads = self.flat if same else torch.zeros(offset, dtype=grad_dtype, device=device)
         self.wire_views = [self.flat[lo:hi].view(p.shape) for p, lo, hi in self.slots]
         self.grad_views = [self.grads[lo:hi].view(p.shape) for p, lo, hi in self.slots]
         self.filled = 0
@@ -1944,7 +1947,7 @@ class _DistributedMixin:
         # Reverse order: backward produces the last layers' gradients first.
         groups: dict = {}
         for p in reversed(params):
-            groups.setdefault((_wire_dtype(compression, p.dtype), p.dtype), []).append(p)
+            groups.setdefault((_wire_dtype(compression, p.dtype), p.dtype, p.device), []).append(p)
         # Numbered per group: the same on every member, whatever other sets' optimizers are
         index = 0
         if group is not None:
@@ -1952,7 +1955,7 @@ class _DistributedMixin:
             index = st.optimizers[group.prefix]
         self._kvt_rows = _RowGrads(rows, index) if rows else None
         self._kvt_buckets: list[_Bucket] = []
-        for (dtype, _), members in groups.items():
+        for (dtype, _, _), members in groups.items():
             current, nbytes = [], 0
             for p in members:
                 if current and nbytes + p.numel() * dtype.itemsize > bucket_bytes:

@@ -86,3 +86,30 @@ def test_compression_on_cupy_matches_numpy(scheme):
         np.testing.assert_allclose(
             cupy.asnumpy(back), codec.decode(packed_np, header_np, 1001, np.float32), rtol=1e-5
         )
+
+
+def test_torch_on_cuda_tensors_through_the_launcher():
+    """The PyTorch API with a model on the GPU (its gradients' averages land on the GPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "launch.py"),
+            *("-n", "2", "-s", "1", "--launcher", "local"),
+            sys.executable,
+            str(root / "tests" / "scripts" / "torch_cuda.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("DistributedOptimizer OK") == 2, done.stdout
