@@ -143,7 +143,7 @@ def challenge() -> str:
     return secrets.token_hex(16)
 
 
-def proof(token: str, challenge: str, rank: int) -> str:
+def proof(token: str, challenge: str, rank: int, role: str = "worker") -> str:
     """HMAC-SHA256 under a worker's token of one connection's challenge and the rank it
     claims, hex: it shows the token without revealing it, and is good for that connection
     and that rank only.
@@ -151,11 +151,11 @@ def proof(token: str, challenge: str, rank: int) -> str:
     >>> len(proof("tok", "00" * 16, 3)), proof("tok", "00" * 16, 3) == proof("tok", "00" * 16, 4)
     (64, False)
     """
-    message = _PROOF_CONTEXT + challenge.encode() + b"\0" + f"worker-{rank}".encode()
+    message = _PROOF_CONTEXT + challenge.encode() + b"\0" + f"{role}-{rank}".encode()
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
-def check_proof(token: str, challenge: str | None, rank: int, given) -> str:
+def check_proof(token: str, challenge: str | None, rank: int, given, role: str = "worker") -> str:
     """Why ``given`` does not prove ``token`` for this connection's ``challenge`` and
     ``rank``, or ``""`` when it does.
 
@@ -166,21 +166,21 @@ def check_proof(token: str, challenge: str | None, rank: int, given) -> str:
         return "auth before hello: no challenge is open on this connection"
     if not isinstance(given, str) or len(given) != 64 or not given.isascii():
         return "auth needs body {'proof': 64 hex characters}"
-    if not token or not hmac.compare_digest(proof(token, challenge, rank), given):
+    if not token or not hmac.compare_digest(proof(token, challenge, rank, role), given):
         return (
-            f"wrong proof for worker-{rank}: not that rank's credential, or a proof replayed "
+            f"wrong proof for {role}-{rank}: not that rank's credential, or a proof replayed "
             "from another connection"
         )
     return ""
 
 
-def answer(hello_reply: dict, own: Credential, rank: int) -> dict | None:
-    """A worker's ``auth`` body for a server's reply to ``hello``; None when the server asks
-    for no proof (encrypted or insecure jobs)."""
+def answer(hello_reply: dict, own: Credential, rank: int, role: str = "worker") -> dict | None:
+    """A worker's (or a server's, on a replication link) ``auth`` body for a server's reply
+    to ``hello``; None when the server asks for no proof (encrypted or insecure jobs)."""
     issued = hello_reply.get("challenge")
     if not isinstance(issued, str):
         return None
-    return {"proof": proof(own.public, issued, rank)}
+    return {"proof": proof(own.public, issued, rank, role)}
 
 
 # ---- the gate
@@ -215,6 +215,7 @@ class Gate:
         self.sock.bind(ZAP_ENDPOINT)
         self.allowed: dict = {}
         self.tokens: list[str] = []  # worker r's token (default mode, a server's gate)
+        self.peer_tokens: list[str] = []  # server r's token (default mode, replication links)
         self._serials = itertools.count(1)  # names NULL connections: conn-1, conn-2, ...
         self.refused = 0
         self._told: set[bytes] = set()  # addresses already logged
@@ -223,6 +224,15 @@ class Gate:
         """Every holder of the job secret (the scheduler's gate)."""
         public = JobKeys.from_secret(cfg.secret).node_public
         self.allowed[("CURVE", z85.decode(public))] = ("node", None)
+
+    def allow_servers(self, cfg: Config, credentials: list[str]) -> None:
+        """The other servers' replication links (a server's gate): their CURVE keys, or (by
+        default) their tokens, proved on each connection as a worker's are."""
+        if not cfg.encrypt:
+            self.peer_tokens = list(credentials)
+            return
+        for rank, public in enumerate(credentials):
+            self.allowed[("CURVE", z85.decode(public.encode()))] = (f"server-{rank}", None)
 
     def allow_workers(self, cfg: Config, credentials: list[str]) -> None:
         """Worker ``r`` with ``credentials[r]`` only (a server's gate): its CURVE key, or (by

@@ -39,6 +39,7 @@ class Config:
     request_timeout: float = 600.0
     round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
     reproducible: bool = True  # KVSTORE_REPRODUCIBLE=0: servers sum in arrival order
+    replicas: int = 1  # KVSTORE_REPLICAS: copies of every dense key part, on distinct servers
     staleness: float = 1  # KVSTORE_STALENESS: dist_ssp's bound in rounds; inf: as dist_async
     stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
@@ -88,6 +89,7 @@ class Config:
             request_timeout=_number(env, "KVSTORE_TIMEOUT", 600.0, float, low=0.1),
             round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 0.0, float, low=0.0),
             reproducible=_flag(env, "KVSTORE_REPRODUCIBLE", default=True),
+            replicas=_number(env, "KVSTORE_REPLICAS", 1, int, low=1),
             staleness=staleness_of(env.get("KVSTORE_STALENESS"), "KVSTORE_STALENESS"),
             stall_report=_number(env, "KVSTORE_STALL_REPORT", 60.0, float, low=0.0),
             heartbeat_interval=interval,
@@ -122,6 +124,11 @@ class Config:
                 "by hand: export KVSTORE_SECRET=$(python -c 'import secrets; "
                 "print(secrets.token_hex(32))'). KVSTORE_INSECURE=1 runs without "
                 "authentication (anyone who reaches a port can join the job)"
+            )
+        if cfg.replicas > cfg.num_server:
+            raise ConfigError(
+                f"KVSTORE_REPLICAS={cfg.replicas} needs at least that many servers; the job has "
+                f"{cfg.num_server} (DMLC_NUM_SERVER): start more servers or lower it"
             )
         if cfg.insecure and cfg.encrypt:
             raise ConfigError("KVSTORE_ENCRYPT=1 needs authentication: unset KVSTORE_INSECURE")

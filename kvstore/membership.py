@@ -13,7 +13,12 @@ events alone (``tests/test_membership.py``, against a plain model). The driver,
   another job, a duplicate, one too many or one without its credential is refused. When all
   have come, each role is ranked (the launcher's hints when they form 0..n-1, else sorted by
   host, port and pid) and every node gets the address book.
-- Every node has a heartbeat deadline; the first node to miss it fails the job (once).
+- Every node has a heartbeat deadline; the first node to miss it fails the job (once). With
+  ``KVSTORE_REPLICAS`` > 1 a server that misses it (or fails) is failed over instead, while a
+  live replica of each of its parts is left: the epoch goes up and every node hears
+  ``failover`` (the dead servers, the epoch); the server acting for a dead one's parts is the
+  first live one of its chain (:func:`kvstore.sharding.replicas`). A failed-over server that
+  speaks again (it was frozen) is told ``fenced`` and exits.
 - Barriers per group (``worker``, ``server``, ``all``): complete once every member arrived (a
   joined worker counts as arrived); fail at once when a member finished without arriving, and
   after ``KVSTORE_ROUND_TIMEOUT`` when one is set. A barrier or join that has waited a second
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 
 from .errors import EXIT_FAILED, EXIT_PEER_LOST
 from .protocol import Message, error_reply
+from .sharding import acting, replicas
 
 GROUPS = {"worker": ("worker",), "server": ("server",), "all": ("worker", "server")}
 ROLES = ("worker", "server")
@@ -128,6 +134,10 @@ class Membership:
         self.failure = ""  # what failed the job (a deadlock): later failures are its result
         self.exited: int | None = None  # the status of the Exit returned, once one was
         self._round_logs: dict[str, float] = {}  # a stalled round -> when it is logged next
+        self.epoch = 0  # one more at every failover
+        self.dead: list[int] = []  # the ranks of the servers failed over, in order
+        self.history: list[dict] = []  # the failovers: epoch, server, why (the status page)
+        self.chains: list = []  # server rank -> the servers holding its parts (from the book)
         self.handlers = {
             "heartbeat": self._on_heartbeat,
             "barrier": self._on_barrier,
@@ -160,6 +170,8 @@ class Membership:
                 msg,
                 f"scheduler: {msg.kind} from an unregistered node {msg.sender!r}; register first",
             )
+        if node.role == "server" and node.rank in self.dead:
+            return self._fence(node)
         handler = self.handlers.get(msg.kind)
         if handler is None:
             return _refuse(identity, msg, f"scheduler: unexpected {msg.kind} from {node.name}")
@@ -176,7 +188,11 @@ class Membership:
         return self.nodes[identity].name
 
     def identities(self, roles=ROLES, skip: bytes | None = None) -> list[bytes]:
-        return [n.identity for n in self.nodes.values() if n.role in roles and n.identity != skip]
+        return [
+            n.identity
+            for n in self.nodes.values()
+            if n.role in roles and n.identity != skip and not (n.role == "server" and n.failed)
+        ]
 
     def doing(self, rank: int) -> str:
         """What worker ``rank`` does, as far as the scheduler knows."""
@@ -211,6 +227,8 @@ class Membership:
                 g: sorted(self.nodes[i].rank for i in w.ids) for g, w in self.barriers.items()
             },
             "joined": list(self.joined),
+            "epoch": self.epoch,
+            "failovers": list(self.history),
         }
 
     # ---- registration
@@ -278,11 +296,16 @@ class Membership:
         servers = self._ranked("server")
         workers = self._ranked("worker")
         book = [[n.host, n.port] for n in servers]
-        # Servers learn every worker's credential, workers the servers' public keys (CURVE).
+        # Servers learn every worker's credential and the other servers' (their replication
+        # links), workers the servers' public keys (CURVE only: a token is never handed on).
+        public = self.cfg.encrypt
         creds = {
-            "server": {"workers": [n.cred for n in workers]},
-            "worker": {"server_keys": [n.cred for n in servers]},
+            "server": {"workers": [n.cred for n in workers], "peers": [n.cred for n in servers]},
+            "worker": {"server_keys": [n.cred if public else "" for n in servers]},
         }
+        hosts = [n.host for n in servers]
+        count = self.cfg.replicas
+        self.chains = [replicas(s, len(servers), count, hosts) for s in range(len(servers))]
         actions: list = []
         for node in self.nodes.values():
             body = {
@@ -290,6 +313,7 @@ class Membership:
                 "servers": book,
                 "num_server": self.cfg.num_server,
                 "num_worker": self.cfg.num_worker,
+                "replicas": self.chains if count > 1 else None,
                 **creds[node.role],
             }
             actions.append(Send(node.identity, Message("book", 0, "scheduler", body)))
@@ -445,6 +469,8 @@ class Membership:
                 shutdown = Message("shutdown", 0, "scheduler")
                 actions += [Broadcast(shutdown, roles=("server",)), Exit(EXIT_FAILED)]
             return actions
+        if self._can_fail_over(node):
+            return actions + self._fail_over(node, reason)
         actions.append(Log(logging.ERROR, f"node failed: {node.name} failed: {reason}"))
         failure = Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason})
         actions.append(Broadcast(failure, skip=node.identity))
@@ -615,6 +641,8 @@ class Membership:
                     f"(KVSTORE_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g}s): "
                     "it died or hangs"
                 )
+                if self._can_fail_over(node):
+                    return self._fail_over(node, reason)
                 node.failed = reason
                 failed = Message(
                     "node_failed", 0, "scheduler", {"node": node.name, "reason": reason}
@@ -637,6 +665,41 @@ class Membership:
                         f"(KVSTORE_ROUND_TIMEOUT): {', '.join(absent)} never arrived",
                     )
         return actions
+
+    # ---- failover (KVSTORE_REPLICAS > 1)
+    def _can_fail_over(self, node: Node) -> bool:
+        """Whether the job goes on without server ``node``: every server's parts keep a live
+        replica (else the job fails as without replicas)."""
+        if node.role != "server" or not self.ready or self.cfg.replicas < 2 or self.failure:
+            return False
+        dead = {*self.dead, node.rank}
+        return all(acting(s, self.chains, dead) is not None for s in range(len(self.chains)))
+
+    def _fail_over(self, node: Node, reason: str) -> list:
+        """Server ``node`` is gone: a new epoch in which the next live replica of each of its
+        parts answers for them; every live node hears it."""
+        node.failed, node.finalized = reason, True  # no deadline of its again
+        self.dead.append(node.rank)
+        self.epoch += 1
+        dead = set(self.dead)
+        self.history.append({"epoch": self.epoch, "server": node.rank, "why": reason})
+        body = {"epoch": self.epoch, "dead": list(self.dead), "reason": reason}
+        moved = ", ".join(
+            f"server {acting(s, self.chains, dead)} answers for server {s}" for s in sorted(dead)
+        )
+        return [
+            Log(logging.WARNING, f"failover to epoch {self.epoch}: {reason}; {moved}"),
+            Broadcast(Message("failover", 0, "scheduler", body), skip=node.identity),
+        ]
+
+    def _fence(self, node: Node) -> list:
+        """A server failed over speaks again (it was frozen, not dead): it must not serve."""
+        epoch = self.dead.index(node.rank) + 1
+        text = (
+            f"{node.name} was failed over in epoch {epoch} (its replicas answer for its keys "
+            "now) and is fenced: it must exit"
+        )
+        return [Send(node.identity, Message("fenced", 0, "scheduler", {"reason": text}))]
 
     # ---- helpers
     def _done(self, actions: list) -> list:

@@ -68,6 +68,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "worker_joined": {"rank": (int,)},
     "joined_ack": {"rank": (int,)},
     "join_done": {"last": (int,)},
+    # KVSTORE_REPLICAS > 1: a server is failed over (scheduler -> nodes); a failed-over one
+    # that speaks again is fenced
+    "failover": {"epoch": (int,), "dead": (list,), "reason": (str,)},
+    "fenced": {"reason": (str,)},
     # worker <-> server
     "init": {"keys": (list,)},
     "push": {"keys": (list,)},
@@ -84,6 +88,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "sparse_pull": {"keys": (list,)},  # arrays: the row ids wanted, per key
     "sparse_rows": {"keys": (list,), "since": (int,)},  # rows changed after a step
     "sparse_load": {"keys": (list,)},
+    # server -> server: a primary's applied rounds, to its backups (one array per entry)
+    "replica": {"home": (int,), "entries": (list,)},
     # both
     "ack": {},
     "error": {"message": (str,)},

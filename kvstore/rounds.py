@@ -145,12 +145,15 @@ class Rounds:
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
     # ---- keys
-    def add_key(self, key: Hashable, members=None) -> None:
+    def add_key(self, key: Hashable, members=None, rounds: int = 0) -> None:
         """``members``: the ranks of a group's key (Horovod's process sets): its rounds are
-        complete when every member has pushed; other ranks may not push or pull it."""
+        complete when every member has pushed; other ranks may not push or pull it.
+        ``rounds``: the key has had that many rounds elsewhere (a replica taking over), so
+        every rank's next push goes to round ``rounds``."""
         if key in self.keys:
             raise ValueError(f"key {key!r} is already initialised")
-        state = _Key(key, [0] * self.num_workers, last_push=[-1.0] * self.num_workers)
+        state = _Key(key, [rounds] * self.num_workers, last_push=[-1.0] * self.num_workers)
+        state.done = rounds
         if members is not None:
             state.members = tuple(sorted(members))
             state.outsiders = frozenset(range(self.num_workers)) - set(members)
@@ -165,15 +168,23 @@ class Rounds:
 
     # ---- events
     def push(
-        self, request, rank: int, grads: list, sync: bool, now: float, staleness: int | None = None
+        self,
+        request,
+        rank: int,
+        grads: list,
+        sync: bool,
+        now: float,
+        staleness: int | None = None,
+        held: int = 0,
     ) -> list:
         """``grads``: ``[(key, array)]``, the keys known and the arrays checked by the caller.
         ``staleness``: ``dist_ssp``'s bound (``None``: ``dist_sync``, or ``dist_async`` when
         not ``sync``; -1: ``dist_ssp`` unbounded, whose pushes are async); under a bound a
         push is answered before its round completes, so the caller gives arrays nobody
-        writes to."""
+        writes to. ``held``: the request's other keys, whose push is already applied (a
+        re-sent request after a failover): ready at once."""
         actions: list = []
-        self._requests[request] = len(grads)
+        self._requests[request] = len(grads) + held
         for key, grad in grads:
             state = self.keys[key]
             if state.staleness != staleness or state.outsiders:  # the common case skips both
@@ -213,6 +224,8 @@ class Rounds:
                 state.queued[n].append((rank, grad))
             if state.total is not None or not self.reproducible:  # else nothing completes
                 self._advance(state, now, actions)
+        for _ in range(held):
+            self._key_ready(request, actions)
         return actions
 
     def pull(

@@ -36,13 +36,15 @@ from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
 from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, request_id
+from .replication import Backup, Primary
 from .rounds import Apply, Fail, Reply, Rounds
-from .sharding import row_server
+from .sharding import acting, row_server
 from .sparse import SparseKeys, check_init, check_optimizer, dump_states, load_states
 
 log = logging.getLogger("kvstore.server")
 
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
+_SERVER_ID = re.compile(rb"server-(0|[1-9][0-9]{0,8})")
 
 # A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
 # as zeros, so what every worker pulls is r's bytes whatever the others push (kvstore.torch's
@@ -68,7 +70,8 @@ class Server:
         self.cfg = cfg
         self.ctx = zmq.Context()
         self.gate = None if cfg.insecure else auth.Gate(self.ctx, "server")
-        self.cred = auth.Credential.make(cfg) if cfg.encrypt else auth.Credential("")
+        # its CURVE key pair, or (by default) a token: what it proves on replication links
+        self.cred = auth.Credential.make(cfg)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -128,6 +131,21 @@ class Server:
             "hello": self._on_hello,
             "auth": self._on_auth,
         }
+        # KVSTORE_REPLICAS > 1 (kvstore.replication): the chains of servers holding each
+        # server's parts, the links to this server's backups, what it forwards and holds
+        self.chains: list | None = None
+        self.epoch = 0
+        self.dead: set[int] = set()
+        self.primary = Primary()
+        self.backup = Backup()
+        self.backup_updaters: dict[int, opt.Updater] = {}  # home server -> its keys' updater
+        self._peers: dict[int, zmq.Socket] = {}  # backup rank -> DEALER to it
+        self._peer_ready: dict[int, bool] = {}  # its link proved (default mode: hello, auth)
+        self._backlog: dict[int, list] = {}  # forwards waiting for the link to be proved
+        self._targets: dict[int, list] = {}  # home server -> the live backups to forward to
+        self._peer_proved: dict[int, str] = {}  # server rank -> the connection that proved it
+        self._pusher = None  # (rank, request id) of the push in hand (async forwards)
+        self._deferred: list = []  # requests of a later epoch than this server has seen
         self.rows = SparseKeys()  # row-sparse keys (kvstore.sparse)
         self.handlers.update(
             {
@@ -144,6 +162,8 @@ class Server:
             "fail_round": self._on_fail_round,
             "node_failed": self._on_node_failed,
             "shutdown": self._on_shutdown,
+            "failover": self._on_failover,
+            "fenced": self._on_fenced,
         }
 
     # ---- life cycle
@@ -162,8 +182,11 @@ class Server:
                 log.error("%s: the scheduler's book lacks the workers' credentials", self.name)
                 return 1
             self.gate.allow_workers(self.cfg, workers)
-        log.info("%s ready for %d workers", self.name, self.num_workers)
+            self.gate.allow_servers(self.cfg, book.body.get("peers") or [])
         poller = zmq.Poller()
+        if book.body.get("replicas"):
+            self._start_replicas(book.body, poller)
+        log.info("%s ready for %d workers", self.name, self.num_workers)
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.control.pipe, zmq.POLLIN)
         if self.gate is not None:
@@ -184,6 +207,9 @@ class Server:
                     except zmq.Again:
                         break
                     self._handle(identity.bytes, frames)
+            for backup, peer in list(self._peers.items()):
+                if peer in events:
+                    self._on_peer_reply(backup, peer)
             if self.control.pipe in events:
                 msg = self.control.recv()
                 handler = self.control_handlers.get(msg.kind)
@@ -199,6 +225,8 @@ class Server:
     def close(self) -> None:
         for segment in self._segments.values():
             segment.close()
+        for peer in self._peers.values():
+            peer.close(linger=0)
         self.control.close(finalize=False)
         self.close_sockets(linger=1000)
 
@@ -332,6 +360,10 @@ class Server:
     # ---- carrying out the rounds' actions
     def _execute(self, actions: list) -> None:
         broken: dict = {}  # keys whose round failed to apply -> why
+        # with replicas: home server -> [(entry, value)] to forward, and the answers, which
+        # wait until the backups hold what was forwarded (kvstore.replication)
+        forwards: dict | None = None if self.chains is None else {}
+        answers: list = []
         for action in actions:
             if isinstance(action, Apply):
                 if action.key in self.rows.tables:
@@ -339,8 +371,9 @@ class Server:
                     if why:
                         broken[action.key] = why
                     continue
+                forwarded = forwards is not None and self._forward(action, forwards)
                 try:
-                    self._apply(action)
+                    self._apply(action, forwarded)
                 except Exception as exc:  # the updater raised, memory ran out: every request
                     # waiting on this round hears why (they follow in this list), none hangs
                     broken[action.key] = (
@@ -351,10 +384,17 @@ class Server:
                 why = self._broken_for(action.request, broken) if broken else ""
                 if why:  # the round it waited for was never applied: say so, do not answer
                     self._fail_request(action.request, why)
-                else:
+                elif forwards is None:
                     self._reply(action.request)
+                else:
+                    answers.append(action.request)
             elif isinstance(action, Fail):
                 self._fail_request(action.request, action.text)
+        if forwards:
+            self._send_forwards(forwards)
+        for request in answers:
+            for ready in self.primary.answer(request):
+                self._reply(ready)
 
     def _fail_request(self, req: Request, text: str) -> None:
         if text != self._last_failure:  # once, not once per request
@@ -374,14 +414,17 @@ class Server:
                 return why
         return ""
 
-    def _apply(self, action: Apply) -> None:
+    def _apply(self, action: Apply, forwarded: bool = False) -> None:
         """``stored = updater(value, stored)``; without an updater, assign a round's sum or
-        add an async push. Never writes into an array a reply still reads."""
+        add an async push. Never writes into an array a reply still reads (``forwarded``:
+        nor into ``value``, which a forward to the backups reads)."""
         key, value = action.key, action.value
         old = self.stored[key]
         sends = self.sending.pop(key, None)
         busy = sends is not None and any(not s.done for s in sends)
-        if self.updater is None and not action.accumulate:
+        home = self.backup.home.get(key) if self.chains is not None else None
+        updater = self.updater if home is None else self.backup_updaters.get(home)
+        if updater is None and not action.accumulate:
             if self._shm_of and _in_segment(value):  # a lone push through shared memory
                 value = value.copy()
             self.stored[key] = value  # the round's sum becomes the value, uncopied
@@ -389,9 +432,9 @@ class Server:
                 self.rounds.give_back(key, old)
             return
         target = old if old.flags.writeable and not busy else old.copy()
-        if self.updater is not None:
-            self.updater(key, value, target)
-            if not action.accumulate:
+        if updater is not None:
+            updater(key, value, target)
+            if not action.accumulate and not forwarded:
                 self.rounds.give_back(key, value)  # the sum's buffer serves the next round
         else:
             np.add(target, value, out=target)
@@ -408,6 +451,14 @@ class Server:
             log.debug(
                 "%s: %s %s from %s", self.name, msg.kind, msg.body.get("keys", ""), msg.sender
             )
+        if self.chains is not None:
+            if identity.startswith(b"server-"):
+                self._handle_peer(identity, frames[0], msg)
+                return
+            epoch = msg.body.get("epoch")
+            if type(epoch) is int and epoch > self.epoch:  # sent after a failover we have
+                self._deferred.append((identity, frames))  # not heard of yet: keep it
+                return
         try:
             rank = self._worker_rank(identity, frames[0], msg.kind)
             handler = self.handlers.get(msg.kind)
@@ -456,9 +507,15 @@ class Server:
 
     def _keys(self, msg: Message) -> list[tuple]:
         keys = [tuple(k) for k in msg.body["keys"]]
+        passive = self.backup.passive
         for key in keys:
             if key not in self.stored:
                 raise KeyError(f"key {_show(key)} was never initialised on this server")
+            if passive and key in passive:
+                raise KeyError(
+                    f"key {_show(key)} is a backup copy on this server: server "
+                    f"{passive[key][0]} answers for it"
+                )
         if len(set(keys)) != len(keys):
             raise ValueError("a key appears twice in one request")
         return keys
@@ -468,14 +525,16 @@ class Server:
         workers): the first init creates a key, the same init again is answered as done."""
         keys = [tuple(k) for k in msg.body["keys"]]
         members = _members_of(msg.body.get("members"), rank, self.num_workers)
+        home = self._home_of(msg)
         fresh = []
         for key, array in zip(keys, msg.arrays, strict=True):
             if key not in self.stored:
                 fresh.append((key, array))
                 continue
+            held = self.backup.passive.get(key)
             same = (
                 members is not None
-                and self.rounds.keys[key].members == members
+                and (held[1] if held else self.rounds.keys[key].members) == members
                 and self.stored[key].size == array.size
                 and self.stored[key].dtype == array.dtype
             )
@@ -485,6 +544,11 @@ class Server:
             raise ValueError("a key appears twice in one request")
         for key, array in fresh:
             self.stored[key] = np.array(array.reshape(-1))  # our own, writable copy
+            if home != self.rank:  # a backup copy: in no round here while its primary lives
+                answering = acting(home, self.chains, self.dead) == self.rank
+                self.backup.hold(key, home, members, answering)
+                if not answering:
+                    continue
             self.rounds.add_key(key, members)
             root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
             if root is not None:
@@ -613,7 +677,10 @@ class Server:
             grads = [(k, g.copy() if _in_segment(g) else g) for k, g in grads]
         now = time.monotonic()
         request = Request(identity, msg)
-        self._execute(self.rounds.push(request, rank, grads, sync, now, staleness))
+        held = 0
+        if self.chains is not None:
+            grads, held = self._replicated_push(rank, msg, grads, sync)
+        self._execute(self.rounds.push(request, rank, grads, sync, now, staleness, held))
 
     @metrics.served
     def _on_pull(self, identity, rank, msg) -> None:
@@ -629,23 +696,276 @@ class Server:
         if spec != self.optimizer_spec:
             self.updater = opt.Updater(opt.from_spec(spec))
             self.optimizer_spec = spec
+            # each server whose parts this one keeps copies of: an updater of their own,
+            # which sees exactly what that server's does (so the same schedule and state)
+            self.backup_updaters = {
+                home: opt.Updater(opt.from_spec(spec)) for home in self._homes_held()
+            }
             log.info("%s: optimizer %s", self.name, self.updater.optimizer)
         self._send(identity, Message("ack", msg.id, self.name))
 
     def _on_command(self, identity, rank, msg) -> None:
         name = msg.body["name"]
         if name == "get_states":
-            if self.updater is None:
+            updater = self._updater_for(msg)
+            if updater is None:
                 raise ValueError("no optimizer is set; call set_optimizer first")
-            blob = np.frombuffer(dump_states(self.updater, self.rows.tables), np.uint8)
+            blob = np.frombuffer(dump_states(updater, self.rows.tables), np.uint8)
             self._send(identity, Message("ack", msg.id, self.name, {}, [blob]))
         elif name == "set_states":
-            if self.updater is None or len(msg.arrays) != 1:
+            updater = self._updater_for(msg)
+            if updater is None or len(msg.arrays) != 1:
                 raise ValueError("set_states needs an optimizer and one state blob")
-            load_states(self.updater, self.rows.tables, msg.arrays[0].tobytes())
+            load_states(updater, self.rows.tables, msg.arrays[0].tobytes())
             self._send(identity, Message("ack", msg.id, self.name))
         else:
             raise ValueError(f"unknown command {name!r}")
+
+    # ---- replicas (KVSTORE_REPLICAS > 1; kvstore.replication decides, this carries it out)
+    _HELLO, _AUTH = 2**62, 2**62 + 1  # request ids of a replication link's handshake
+
+    def _start_replicas(self, book: dict, poller: zmq.Poller) -> None:
+        self.chains = [list(chain) for chain in book["replicas"]]
+        self._poller = poller
+        self._addresses = [tuple(a) for a in book["servers"]]
+        self._peer_keys = book.get("peers") or [""] * len(self._addresses)
+        self._targets = {self.rank: self.chains[self.rank][1:]}
+        self._connect_peers()
+
+    def _homes_held(self) -> list[int]:
+        """The servers whose parts this one keeps copies of."""
+        if self.chains is None:
+            return []
+        return [h for h, chain in enumerate(self.chains) if h != self.rank and self.rank in chain]
+
+    def _home_of(self, msg: Message) -> int:
+        """The server whose part an ``init`` or a ``command`` is for (a backup's copy)."""
+        home = msg.body.get("home", self.rank)
+        if home != self.rank and (
+            self.chains is None
+            or type(home) is not int
+            or not 0 <= home < len(self.chains)
+            or self.rank not in self.chains[home]
+        ):
+            raise ValueError(f"home: this server keeps no copy of server {home!r:.20}'s parts")
+        return home
+
+    def _updater_for(self, msg: Message):
+        home = self._home_of(msg)
+        return self.updater if home == self.rank else self.backup_updaters.get(home)
+
+    def _connect_peers(self) -> None:
+        """A DEALER to every live backup this server forwards to; by default each link proves
+        this server's token (hello, auth) before the first forward goes out."""
+        cfg = self.cfg
+        wanted = sorted({b for targets in self._targets.values() for b in targets})
+        for backup in wanted:
+            if backup in self._peers:
+                continue
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"server-{self.rank}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            auth.worker_socket(sock, cfg, self.rank, self.cred, self._peer_keys[backup])
+            host, port = self._addresses[backup]
+            sock.connect(f"tcp://{host}:{port}")
+            self._peers[backup] = sock
+            self._backlog[backup] = []
+            self._poller.register(sock, zmq.POLLIN)
+            challenged = self.gate is not None and not cfg.encrypt
+            self._peer_ready[backup] = not challenged
+            if challenged:
+                transport.send(sock, Message("hello", self._HELLO, self.name, {"host": ""}))
+
+    def _forward(self, action: Apply, forwards: dict) -> bool:
+        """Note an applied round (or async push) for the live backups of its key; False when
+        it has none."""
+        home = self.backup.home.get(action.key, self.rank)
+        if not self._targets.get(home):
+            return False
+        held = self.primary.applied(action.key, action.accumulate, self._pusher)
+        key, part = action.key
+        forwards.setdefault(home, []).append(([key, part, action.accumulate, held], action))
+        return True
+
+    def _send_forwards(self, forwards: dict) -> None:
+        for home, items in forwards.items():
+            body = {"home": home, "entries": [entry for entry, _ in items]}
+            arrays = [action.value for _, action in items]
+            keys = [action.key for _, action in items]
+            for backup in self._targets[home]:
+                msg = Message("replica", self.primary.forwarded(backup), self.name, body, arrays)
+                if self._peer_ready.get(backup):
+                    self._send_peer(backup, msg, keys)
+                else:  # its link is not proved yet: a copy waits (the values move on)
+                    msg.arrays = [a.copy() for a in arrays]
+                    self._backlog[backup].append(msg)
+
+    def _send_peer(self, backup: int, msg: Message, keys=None) -> None:
+        try:
+            sent = transport.send(self._peers[backup], msg, track=keys is not None)
+        except zmq.ZMQError as exc:
+            log.error("%s: cannot forward to server %d (%s)", self.name, backup, exc.strerror)
+            for request in self.primary.drop(backup):
+                self._reply(request)
+            return
+        for s in sent:  # the stored arrays it reads are not written until it is sent
+            busy = self.sending.setdefault(keys[s.array], [])
+            busy.append(s)
+
+    def _on_peer_reply(self, backup: int, sock: zmq.Socket) -> None:
+        try:
+            msg = decode(sock.recv_multipart(copy=False))
+        except ProtocolError as exc:
+            log.error("%s: bad reply from server %d: %s", self.name, backup, exc)
+            return
+        if msg.kind == "error":  # its copy can no longer be trusted: it is no replica now
+            log.error(
+                "%s: server %d refused a forward (%s); its copies of this server's parts "
+                "are no longer kept in step",
+                self.name,
+                backup,
+                msg.body.get("message"),
+            )
+            released = self.primary.drop(backup)
+            for targets in self._targets.values():
+                if backup in targets:
+                    targets.remove(backup)
+        elif msg.id == self._HELLO:
+            body = auth.answer(msg.body, self.cred, self.rank, "server") or {"proof": ""}
+            transport.send(sock, Message("auth", self._AUTH, self.name, body))
+            return
+        elif msg.id == self._AUTH:
+            self._peer_ready[backup] = True
+            for waiting in self._backlog.pop(backup, []):
+                self._send_peer(backup, waiting)
+            return
+        else:
+            released = self.primary.ack(backup, msg.id)
+        for request in released:
+            self._reply(request)
+
+    def _handle_peer(self, identity: bytes, frame, msg: Message) -> None:
+        """A message on another server's replication link."""
+        match = _SERVER_ID.fullmatch(identity)
+        peer = int(match[1]) if match else -1
+        if not 0 <= peer < len(self.chains) or peer in self.dead:
+            return  # a stranger, or a server failed over (fenced): nothing it says counts
+        try:
+            if self.gate is not None:
+                user = frame.get("User-Id")
+                if self.cfg.encrypt and user != f"server-{peer}":
+                    raise auth.Refused(f"server-{peer} refused: the connection is {user!r}")
+                self._connection = (user, frame)
+                if not self.cfg.encrypt and msg.kind not in ("hello", "auth"):
+                    if self._peer_proved.get(peer) != user:
+                        raise auth.Refused(f"{msg.kind} from server-{peer}: link not proved")
+            if msg.kind == "hello":
+                self._on_hello(identity, peer, msg)
+            elif msg.kind == "auth":
+                connection, frame = self._connection
+                challenge = self._challenges.pop(connection, None)
+                tokens = self.gate.peer_tokens if self.gate is not None else []
+                token = tokens[peer] if peer < len(tokens) else ""
+                wrong = auth.check_proof(token, challenge, peer, msg.body.get("proof"), "server")
+                if wrong:
+                    self.gate.refuse(_peer_of(frame), f"server-{peer}: {wrong}")
+                    raise auth.Refused(f"auth refused: {wrong}")
+                self._peer_proved[peer] = connection
+                self._send(identity, Message("ack", msg.id, self.name))
+            elif msg.kind == "replica":
+                self._on_replica(identity, peer, msg)
+            else:
+                raise ValueError(f"unexpected {msg.kind!r} on a replication link")
+        except (ValueError, TypeError, KeyError) as exc:
+            self._error(identity, msg, f"{msg.kind} from server {peer} refused: {exc}")
+
+    def _on_replica(self, identity: bytes, peer: int, msg: Message) -> None:
+        """A primary's applied rounds: apply the same inputs, in order, then acknowledge.
+        Everything is checked before anything is applied."""
+        home, entries = msg.body["home"], msg.body["entries"]
+        if type(home) is not int or acting(home, self.chains, self.dead) != peer:
+            raise ValueError(f"server {peer} does not answer for server {home!r:.20}'s parts")
+        if len(entries) != len(msg.arrays):
+            raise ValueError("replica: one array per entry")
+        checked = []
+        for entry, value in zip(entries, msg.arrays, strict=True):
+            if not isinstance(entry, list) or len(entry) != 4 or type(entry[2]) is not bool:
+                raise ValueError(f"replica: bad entry {entry!r:.80}")
+            key = (entry[0], entry[1])
+            held = self.backup.passive.get(key)
+            if held is None or held[0] != home:
+                raise KeyError(f"replica: key {_show(key)} is no copy of server {home}'s here")
+            stored = self.stored[key]
+            if value.dtype != stored.dtype or value.size != stored.size:
+                raise ValueError(f"replica: key {_show(key)}: got {value.size} x {value.dtype}")
+            pushes = entry[3]
+            if not isinstance(pushes, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
+                for p in pushes
+            ):
+                raise ValueError(f"replica: bad pushes {pushes!r:.80}")
+            checked.append((key, value.reshape(-1), entry[2], pushes))
+        for key, value, accumulate, pushes in checked:
+            self._apply(Apply(key, value, accumulate))
+            self.backup.received(key, accumulate, pushes)
+        self._send(identity, Message("ack", msg.id, self.name))
+
+    def _replicated_push(self, rank: int, msg: Message, grads: list, sync: bool):
+        """A push under replicas: a re-sent one's keys already held are answered, not
+        applied again; the rounds of the others are noted for the forwards."""
+        held = 0
+        if msg.body.get("resend") is True:
+            fresh = [(k, g) for k, g in grads if not self.backup.duplicate(k, rank, msg.id)]
+            held, grads = len(grads) - len(fresh), fresh
+        self._pusher = (rank, msg.id)
+        if sync:
+            home_of, rounds = self.backup.home, self.rounds.keys
+            for key, _ in grads:
+                if self._targets.get(home_of.get(key, self.rank)):
+                    self.primary.pushed(key, rank, rounds[key].pushed[rank], msg.id)
+        return grads, held
+
+    def _on_failover(self, msg: Message) -> None:
+        """A new epoch: the dead servers' parts are answered for by the next live replica;
+        this server stops forwarding to the dead, and takes over what is now its own."""
+        epoch, dead = msg.body["epoch"], set(msg.body["dead"])
+        if self.chains is None or epoch <= self.epoch:
+            return
+        released = []
+        for backup in dead - self.dead:
+            sock = self._peers.pop(backup, None)
+            if sock is not None:
+                self._poller.unregister(sock)
+                sock.close(linger=0)
+            self._backlog.pop(backup, None)
+            released += self.primary.drop(backup)
+        self.epoch, self.dead = epoch, dead
+        mine = [h for h in range(len(self.chains)) if acting(h, self.chains, dead) == self.rank]
+        self._targets = {
+            h: [b for b in self.chains[h] if b != self.rank and b not in dead] for h in mine
+        }
+        taken = self.backup.take_over(set(mine))
+        for key, members, rounds in taken:
+            self.rounds.add_key(key, members, rounds)
+            self.primary.start(key, rounds)
+        self._connect_peers()
+        log.warning(
+            "%s: epoch %d (%s): answering for servers %s now (%d key parts taken over)",
+            self.name,
+            epoch,
+            msg.body["reason"],
+            mine,
+            len(taken),
+        )
+        for request in released:
+            self._reply(request)
+        deferred, self._deferred = self._deferred, []
+        for identity, frames in deferred:
+            self._handle(identity, frames)
+
+    def _on_fenced(self, msg: Message) -> int:
+        log.error("%s: %s", self.name, msg.body["reason"])
+        return EXIT_PEER_LOST
 
     # ---- row-sparse keys (kvstore.sparse): a RowTable per (key, part = this server); the
     # rounds are Rounds' own, fed an empty array per push, while SparseKeys holds the rows
@@ -688,6 +1008,11 @@ class Server:
     def _on_sparse_init(self, identity, rank, msg) -> None:
         """Every key, meta and row set is checked before any key is made."""
         keys, metas = [tuple(k) for k in msg.body["keys"]], msg.body["meta"]
+        if self.chains is not None:
+            raise ValueError(
+                "row-sparse keys are not replicated: run them with KVSTORE_REPLICAS=1 "
+                "(launch.py --replicas 1)"
+            )
         if len(metas) != len(keys) or len(msg.arrays) != 2 * len(keys):
             raise ValueError("sparse_init: one meta and two arrays (ids, rows) per key")
         if len(set(keys)) != len(keys):

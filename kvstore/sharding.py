@@ -62,3 +62,28 @@ def row_server(ids, num_server: int):
     with np.errstate(over="ignore"):
         mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
     return (mixed % np.uint64(num_server)).astype(np.int64)
+
+
+def replicas(server: int, num_server: int, count: int, hosts=None) -> list[int]:
+    """The servers holding the key parts whose primary is ``server``: ``server`` first, then
+    its ``count - 1`` backups, the next servers in rank order, those on another host than
+    ``server`` first (``hosts[s]``: server s's host; None: all on one). Every part of one
+    server has the same backups, so a failover moves a dead server's parts as one block.
+
+    >>> replicas(2, 4, 2), replicas(0, 4, 3, ["a", "a", "b", "b"])
+    ([2, 3], [0, 2, 3])
+    """
+    others = [(server + i) % num_server for i in range(1, num_server)]
+    if hosts is not None:
+        others.sort(key=lambda s: hosts[s] == hosts[server])  # stable: rank order within
+    return [server, *others[: count - 1]]
+
+
+def acting(server: int, chains: list, dead) -> int | None:
+    """The live server that answers for ``server``'s key parts: the first of its chain
+    (``chains[server]``, from :func:`replicas`) that is not ``dead``; None when all are.
+
+    >>> acting(1, [[0, 1], [1, 2], [2, 0]], {1}), acting(1, [[0, 1], [1, 2], [2, 0]], {1, 2})
+    (2, None)
+    """
+    return next((s for s in chains[server] if s not in dead), None)

@@ -43,6 +43,7 @@ from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
 from .protocol import Message, ProtocolError, decode
+from .sharding import acting
 from .store import KVStore, Pending
 
 log = logging.getLogger("kvstore.worker")
@@ -121,13 +122,17 @@ def create_dist(kind: str, staleness: int | float | str | None = None) -> KVStor
 class _Request:
     """A request in flight."""
 
-    __slots__ = ("server", "kind", "collector", "on_reply", "segments")
+    __slots__ = ("server", "kind", "collector", "on_reply", "segments", "msg", "sent_to")
 
-    def __init__(self, server: int, kind: str, collector=None, on_reply=None, segments=()):
+    def __init__(
+        self, server: int, kind: str, collector=None, on_reply=None, segments=(), msg=None, to=-1
+    ):
         self.server, self.kind = server, kind
         self.collector: Collector | None = collector
         self.on_reply = on_reply  # a callable taking the reply Message
         self.segments = segments  # shared segments it names: mapped once answered
+        self.msg = msg  # with replicas: the message, re-sent after a failover
+        self.sent_to = server if to < 0 else to  # the server that has it
 
 
 class DistStore(KVStore):
@@ -163,6 +168,19 @@ class DistStore(KVStore):
         self._rank = book.body["rank"]
         self._num_workers = book.body["num_worker"]
         self._servers = [tuple(s) for s in book.body["servers"]]
+        # KVSTORE_REPLICAS > 1: the servers holding each server's parts (kvstore.sharding);
+        # a request goes to the live server acting for its server (_route), and is kept
+        # until answered, to be re-sent after a failover
+        self._chains = book.body.get("replicas")
+        self._route = list(range(len(self._servers)))
+        self._dead: set[int] = set()
+        self._epoch = 0
+        if self._chains and ssp:
+            self._shutdown(finalize=False)
+            raise ConfigError(
+                "dist_ssp answers a push before its round is complete, so a server's replicas "
+                "could lose it: with KVSTORE_REPLICAS > 1 use dist_sync or dist_async"
+            )
         server_keys = book.body.get("server_keys") or [""] * len(self._servers)
         for (host, port), key in zip(self._servers, server_keys, strict=True):
             sock = self._ctx.socket(zmq.DEALER)
@@ -180,6 +198,7 @@ class DistStore(KVStore):
         self._answers: dict[str, Message] = {}  # control answers (barrier_done, ...) by kind
         self._control_handlers = {
             "stall": self._on_stall,
+            "failover": self._on_failover,
             "barrier_done": self._on_answer,
             "join_done": self._on_answer,
         }
@@ -258,13 +277,19 @@ class DistStore(KVStore):
         """Send one message (not part of a multi-server call: see :meth:`_commit`)."""
         self._check_alive()
         msg_id = next(self._ids)
-        self._transmit(server, Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays)))
-        self._requests[msg_id] = _Request(server, kind, on_reply=on_reply)
+        if self._epoch:
+            body = {**body, "epoch": self._epoch}
+        msg = Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays))
+        self._transmit(server, msg)
+        kept = msg if self._chains else None
+        self._requests[msg_id] = _Request(
+            server, kind, None, on_reply, (), kept, self._route[server]
+        )
         return msg_id
 
     def _transmit(self, server: int, msg: Message) -> list:
         try:
-            return transport.send(self._sockets[server], msg)
+            return transport.send(self._sockets[self._route[server]], msg)
         except zmq.Again:
             raise PeerLostError(
                 f"{msg.kind}: cannot send to {self._server_name(server)}: its queue "
@@ -278,22 +303,37 @@ class DistStore(KVStore):
         self._check_alive()
         ids, trackers = [], []
         sent_any = False
+        kept, moved = self._chains is not None, self._dead
         try:
             for out in outgoing:
                 msg_id = next(self._ids)
                 arrays = list(out.arrays)
                 body = {"keys": out.wire, **out.body}
-                used = self._to_segments(out, arrays) if out.shared else []
+                here = out.server not in moved  # else its parts moved: TCP, no segment
+                used = self._to_segments(out, arrays) if out.shared and here else []
                 if used:
                     body["shm"] = [[i, seg.name, seq] for i, seg, seq in used]
-                pulled = self._pull_regions(out) if out.kind in _PULLING else ()
+                pulled = self._pull_regions(out) if out.kind in _PULLING and here else ()
                 if pulled:
                     body["shm_pull"] = pulled
+                if kept:
+                    if self._epoch:
+                        body["epoch"] = self._epoch
+                    if out.kind == "push":  # push returns before its answer: keep a copy
+                        arrays = [a.copy() if a.size else a for a in arrays]
                 msg = Message(out.kind, msg_id, f"worker-{self._rank}", body, arrays)
                 trackers.extend(s.tracker for s in self._transmit(out.server, msg))
                 sent_any = True
                 segments = tuple(seg for _, seg, _ in used)
-                self._requests[msg_id] = _Request(out.server, out.kind, collector, None, segments)
+                self._requests[msg_id] = _Request(
+                    out.server,
+                    out.kind,
+                    collector,
+                    None,
+                    segments,
+                    msg if kept else None,
+                    self._route[out.server],
+                )
                 for i, _, _ in used:
                     self._shm_last[out.keys[i]] = msg_id
                 for i in pulled:
@@ -359,6 +399,7 @@ class DistStore(KVStore):
         ]
 
     def _server_name(self, server: int) -> str:
+        server = self._route[server]
         host, port = self._servers[server]
         return f"server {server} ({host}:{port})"
 
@@ -430,6 +471,47 @@ class DistStore(KVStore):
         level = logging.WARNING if msg.body.get("log", True) else logging.DEBUG
         log.log(level, "%s: %s", what, msg.body["message"])
         return True
+
+    def _on_failover(self, msg: Message, what: str) -> bool:
+        """Servers were failed over (a new epoch): their parts are answered by the next live
+        replica; every request they had not answered is re-sent there, in order (the same
+        ids: a push already applied there is answered, not applied again)."""
+        epoch, dead = msg.body["epoch"], set(msg.body["dead"])
+        if not self._chains or epoch <= self._epoch:
+            return False
+        newly = dead - self._dead
+        self._epoch, self._dead = epoch, dead
+        for server in range(len(self._servers)):
+            self._route[server] = acting(server, self._chains, dead)
+        for server in newly:
+            sock = self._sockets[server]
+            self._poller.unregister(sock)
+            sock.close(linger=0)
+        again = [r for i, r in sorted(self._requests.items()) if r.sent_to in newly]
+        log.warning(
+            "%s: epoch %d: %s; re-sending %d request(s)",
+            what,
+            epoch,
+            msg.body["reason"],
+            len(again),
+        )
+        for request in again:
+            self._resend(request)
+        return True
+
+    def _resend(self, request: _Request) -> None:
+        """Send a request again, to the server now acting for its own, over TCP."""
+        old = request.msg
+        body = {**old.body, "resend": True, "epoch": self._epoch}
+        body.pop("shm_pull", None)
+        arrays = list(old.arrays)
+        for (index, _, _), segment in zip(body.pop("shm", ()), request.segments, strict=True):
+            key, part = old.body["keys"][index]
+            lo, hi = self._planner.parts[key][part]
+            arrays[index] = segment.push.view(arrays[index].dtype)[: hi - lo].copy()
+        request.msg = Message(old.kind, old.id, old.sender, body, arrays)
+        request.sent_to = self._route[request.server]
+        transport.send(self._sockets[request.sent_to], request.msg)
 
     def _on_answer(self, msg: Message, what: str) -> bool:
         self._answers[msg.kind] = msg
@@ -518,7 +600,15 @@ class DistStore(KVStore):
         if members is not None or self._rank == 0:
             keys = [item.key for item in items]
             flats = [self._flat(item.values[:1]) for item in items]
-            ids, _ = self._commit("init", self._planner.init(keys, flats, members))
+            outgoing = self._planner.init(keys, flats, members)
+            if self._chains:  # every live replica of a part gets it, told whose part it is
+                outgoing = [
+                    out._replace(server=r, body={**out.body, "home": out.server})
+                    for out in outgoing
+                    for r in self._chains[out.server]
+                    if r not in self._dead
+                ]
+            ids, _ = self._commit("init", outgoing)
             self._wait("init", ids)
         if members is None:
             self.barrier()
@@ -603,6 +693,11 @@ class DistStore(KVStore):
 
     # ---- row-sparse keys (kvstore.sparse): every server holds the rows row_server gives it
     def _init_rows(self, items):
+        if self._chains:
+            raise ValueError(
+                "row-sparse keys are not replicated: run them with KVSTORE_REPLICAS=1 "
+                "(launch.py --replicas 1)"
+            )
         if self._rank == 0:
             ids, _ = self._commit("init", sparse.plan_init(items, len(self._servers)))
             self._wait("init", ids)
@@ -700,7 +795,8 @@ class DistStore(KVStore):
             )
         spec = optimizer.spec()
         self._optimizer = optimizer
-        ids = [self._send(s, "optimizer", {"spec": spec}) for s in range(len(self._servers))]
+        live = [s for s in range(len(self._servers)) if s not in self._dead]
+        ids = [self._send(s, "optimizer", {"spec": spec}) for s in live]
         self._wait("set_optimizer", ids)
 
     def set_updater(self, updater) -> None:
@@ -717,7 +813,7 @@ class DistStore(KVStore):
             return lambda msg: blobs.__setitem__(server, msg.arrays[0].tobytes())
 
         ids = [
-            self._send(s, "command", {"name": "get_states"}, on_reply=keep(s))
+            self._send(s, "command", {"name": "get_states", "home": s}, on_reply=keep(s))
             for s in range(len(self._servers))
         ]
         self._wait("save_optimizer_states", ids)
@@ -738,7 +834,9 @@ class DistStore(KVStore):
                 f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER"
             )
         ids = [
-            self._send(s, "command", {"name": "set_states"}, [np.frombuffer(b, np.uint8)])
+            self._send(
+                s, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
+            )
             for s, b in enumerate(blobs)
         ]
         for msg_id in ids:

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the number of hosts)",
     )
     p.add_argument(
+        "--replicas",
+        type=int,
+        metavar="R",
+        help="keep every key part on R servers (KVSTORE_REPLICAS; default 1): with R=2 a "
+        "server can die and training goes on, without losing an acknowledged update",
+    )
+    p.add_argument(
         "--colocate",
         action="store_true",
         help="one server on each host of the hostfile, beside that host's workers (BytePS's "
@@ -189,6 +196,10 @@ def make_spec(args, parser) -> JobSpec:
         env.setdefault("KVSTORE_SECRET", secrets.token_hex(32))
     if args.interface:
         env["DMLC_INTERFACE"] = args.interface
+    if args.replicas is not None:
+        if not 1 <= args.replicas <= num_servers:
+            parser.error(f"--replicas {args.replicas}: expected 1 to the number of servers")
+        env["KVSTORE_REPLICAS"] = str(args.replicas)
     for item in args.env:
         name, sep, value = _split_env(item)
         if not name.isidentifier():

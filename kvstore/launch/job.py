@@ -114,6 +114,13 @@ class Supervisor:
                 except queue.Empty:
                     continue
                 ended.append(proc)
+                if proc.popen.returncode and _replicated(proc):
+                    # its replicas answer for its keys; the scheduler ends the job if not
+                    self.say(
+                        f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; "
+                        "its replicas go on (KVSTORE_REPLICAS)"
+                    )
+                    continue
                 if proc.popen.returncode:  # the first to fail is the cause, or one of them
                     cause = self._report_failures(proc)
                     self.stop()
@@ -188,6 +195,14 @@ class Supervisor:
     def _drain(self) -> None:
         for reader in self.readers:
             reader.join(2)
+
+
+def _replicated(proc: Proc) -> bool:
+    """A server of a job with replicas: its death alone does not end the job."""
+    try:
+        return proc.role == "server" and int((proc.env or {}).get("KVSTORE_REPLICAS") or 1) > 1
+    except ValueError:
+        return False
 
 
 def _raise_interrupt(signum, frame):

@@ -1,0 +1,47 @@
+"""Training with replicated servers: fixed per-rank float32 gradients, random delays; prints
+the hash of the final weights, which must not depend on the timing nor on a server killed or
+frozen on the way (KVSTORE_REPLICAS=2, reproducible sums).
+
+argv: steps, optimizer (sgd | adam | none), call (pushpull | push).
+Every worker prints "step N" as it goes, so a test can kill a server mid-run.
+"""
+
+import hashlib
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+import kvstore
+
+steps, which, call = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+kv = kvstore.create("dist_sync")
+rank, W = kv.rank, kv.num_workers
+# small keys (one server each), a key split over the servers, one through shared memory
+shapes = {"w": (7,), "b": (3000,), "c": (5,), "big": (100_000,)}
+names = sorted(shapes)
+kv.init(names, [np.full(shapes[k], 0.5, np.float32) for k in names])
+if which == "sgd":
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+elif which == "adam":
+    kv.set_optimizer(kvstore.optimizer.Adam(learning_rate=0.01))
+delays = random.Random(os.urandom(8))  # a different timing in every run
+outs = [np.empty(shapes[k], np.float32) for k in names]
+for step in range(steps):
+    grads = [
+        (np.random.default_rng([rank, step, i]).standard_normal(shapes[k])).astype(np.float32)
+        for i, k in enumerate(names)
+    ]
+    time.sleep(delays.choice([0, 0, 0.002, 0.01, 0.03]))
+    if call == "push":
+        kv.push(names, grads)
+        kv.pull(names, out=outs)
+    else:
+        kv.pushpull(names, grads, out=outs)
+    print(f"step {step}", flush=True)
+kv.pull(names, out=outs)
+digest = hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()
+kv.close()
+print(f"rank {rank} weights {digest}", flush=True)
