@@ -135,11 +135,16 @@ class Control:
         if not cfg.insecure:  # a refused key fails at once, not at the start-up deadline
             monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
             poller.register(monitor, zmq.POLLIN)
-        last_heard = next_beat = time.monotonic()
+        last_heard = next_beat = last_turn = time.monotonic()
         registered = finalizing = refused = False
         try:
             while True:
                 now = time.monotonic()
+                if now - last_turn > cfg.heartbeat_timeout:
+                    # this process was not running (stopped, frozen): the scheduler's
+                    # silence says nothing yet; hear what it says to the next heartbeat
+                    last_heard = now
+                last_turn = now
                 if now >= next_beat:
                     try:  # never wait for a scheduler that does not read
                         beat = Message("heartbeat", 0, self.role, self._heartbeat_body())
