@@ -112,7 +112,12 @@ def timed_together(kv, vote: str, fn, reps: int, budget: float, every: int = 8) 
 
 
 def label(args) -> str:
-    return f"kvstore {args.mode}" + (f" {args.compression}" if args.compression else "")
+    replicas = int(os.environ.get("KVSTORE_REPLICAS") or 1)
+    return (
+        f"kvstore {args.mode}"
+        + (f" {args.compression}" if args.compression else "")
+        + (f" R={replicas}" if replicas > 1 else "")
+    )
 
 
 # ---------------------------------------------------------------- the driver
@@ -124,9 +129,10 @@ SECURITY = {  # --security: what the job runs with (see kvstore.auth)
 }
 
 
-def run_cluster(args, mode: str, compression: str | None) -> list[dict]:
+def run_cluster(args, mode: str, compression: str | None, replicas: int = 1) -> list[dict]:
     env = dict(
         os.environ,
+        KVSTORE_REPLICAS=str(replicas),
         DMLC_PS_ROOT_URI="127.0.0.1",
         DMLC_PS_ROOT_PORT=str(free_port()),
         DMLC_NUM_SERVER=str(args.servers),
@@ -259,7 +265,9 @@ def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def paired_ratios(ours: list[list[dict]], peer: list[list[dict]], mode: str) -> list[dict]:
+def paired_ratios(
+    ours: list[list[dict]], peer: list[list[dict]], mode: str, name: str = "kvstore/mxnet"
+) -> list[dict]:
     """Per size, kvstore's median over MXNet's in each round (the two ran back to back): the
     median of these ratios, their min and max.
 
@@ -276,7 +284,7 @@ def paired_ratios(ours: list[list[dict]], peer: list[list[dict]], mode: str) -> 
                 per_size.setdefault(r["size"], []).append(r["median"] / mx_median[r["size"]])
     return [
         {
-            "config": f"kvstore/mxnet {mode}",
+            "config": f"{name} {mode}",
             "size": size,
             "unit": "ratio",
             "median": statistics.median(pairs),
@@ -376,6 +384,12 @@ def main(argv=None) -> int:
         help="MXNet's kv.pushpull (one round trip, as Gluon's Trainer) or kv.push then kv.pull",
     )
     p.add_argument(
+        "--replicas",
+        default="1",
+        help="KVSTORE_REPLICAS values to run side by side, e.g. 1,2 (each mode's clusters "
+        "alternate between them; the paired ratio to the first is printed)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -395,17 +409,25 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if args.mxnet and not Path(args.mxnet).exists():
         raise SystemExit(f"--mxnet {args.mxnet}: no such interpreter (a Python with MXNet 1.9.1)")
-    ours: dict = {mode: [] for mode in modes}
+    counts = [int(r) for r in args.replicas.split(",")]
+    if any(not 1 <= r <= args.servers for r in counts):
+        raise SystemExit(f"--replicas {args.replicas}: each between 1 and -s {args.servers}")
+    ours: dict = {(mode, r): [] for mode in modes for r in counts}
     peer: dict = {mode: [] for mode in modes}
     for _ in range(args.repeats):  # rounds, so that a slow spell of the machine hits both
         for mode in modes:
             if args.mxnet:
                 peer[mode].append(run_mxnet(args, mode))
-            ours[mode].append(run_cluster(args, mode, None))
+            for r in counts:
+                ours[mode, r].append(run_cluster(args, mode, None, r))
     for mode in modes:
-        results += merge_rounds(ours[mode])
+        first = ours[mode, counts[0]]
+        results += merge_rounds(first)
+        for r in counts[1:]:
+            name = f"R={r}/R={counts[0]}"
+            results += merge_rounds(ours[mode, r]) + paired_ratios(ours[mode, r], first, mode, name)
         if args.mxnet:
-            results += merge_rounds(peer[mode]) + paired_ratios(ours[mode], peer[mode], mode)
+            results += merge_rounds(peer[mode]) + paired_ratios(first, peer[mode], mode)
     if not args.no_compression:
         results += run_cluster(args, "dist_sync", "2bit")
     if not args.no_gloo:

@@ -489,10 +489,11 @@ class DistStore(KVStore):
             sock.close(linger=0)
         again = [r for i, r in sorted(self._requests.items()) if r.sent_to in newly]
         log.warning(
-            "%s: epoch %d: %s; re-sending %d request(s)",
+            "%s: %s; failed over to its replicas (epoch %d): re-sending %d unanswered "
+            "request(s)",
             what,
-            epoch,
             msg.body["reason"],
+            epoch,
             len(again),
         )
         for request in again:

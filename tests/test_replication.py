@@ -23,9 +23,13 @@ exactly once. Both replicas of one part killed: a clear error, no hang.
 from __future__ import annotations
 
 import os
+import queue
 import random
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections import deque
 
@@ -37,7 +41,7 @@ from hypothesis import strategies as st
 from kvstore.replication import Backup, Primary
 from kvstore.rounds import Apply, Fail, Reply, Rounds
 
-from .cluster import Cluster, poll_until
+from .cluster import ROOT, Cluster, poll_until
 
 KEY = ("w", 0)
 
@@ -200,9 +204,9 @@ class Network:
 
     def crash(self, server: int) -> None:
         self.down.add(server)
-        for (src, dst), queue in self.channels.items():
+        for (src, dst), waiting in self.channels.items():
             if server in (src, dst):
-                queue.clear()
+                waiting.clear()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -270,7 +274,8 @@ def _run(tmp, opt: str, call: str, steps: int, fault=None, seed=0) -> tuple[set,
     """A W=4, S=3, R=2 job; ``fault``: "kill" or "freeze" a random server at a random step."""
     W, S = 4, 3
     tmp.mkdir()
-    cluster = Cluster(S, W, tmp, KVSTORE_REPLICAS=2)
+    # keys "b" and "big" are split over every server: every server holds parts
+    cluster = Cluster(S, W, tmp, KVSTORE_REPLICAS=2, KVSTORE_BIGARRAY_BOUND=1000)
     try:
         procs = cluster.start_workers("replicated.py", [steps, opt, call])
         note = ""
@@ -279,7 +284,7 @@ def _run(tmp, opt: str, call: str, steps: int, fault=None, seed=0) -> tuple[set,
             victim, at = rng.randrange(S), rng.randrange(1, steps - 2)
             note = f"seed {seed}: {fault} server{victim} at step {at}"
             print(note, flush=True)
-            cluster.wait_for_output(f"worker{rng.randrange(W)}", f"step {at}\n", 60)
+            cluster.wait_for_output(f"worker{rng.randrange(W)}", f"step {at} at", 60)
             proc = cluster.procs[f"server{victim}"]
             proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             if fault == "freeze":
@@ -330,7 +335,7 @@ def test_both_replicas_of_a_part_lost_is_a_clear_error(tmp_path):
     cluster = Cluster(S, W, tmp_path, KVSTORE_REPLICAS=2)
     try:
         procs = cluster.start_workers("replicated.py", [400, "none", "pushpull"])
-        cluster.wait_for_output("worker0", "step 3\n", 60)
+        cluster.wait_for_output("worker0", "step 3 at", 60)
         cluster.procs["server0"].send_signal(signal.SIGKILL)
         assert poll_until(lambda: "failover" in cluster.output("scheduler"), 30), cluster.dump()
         time.sleep(0.5)
@@ -342,3 +347,55 @@ def test_both_replicas_of_a_part_lost_is_a_clear_error(tmp_path):
         assert "sent no heartbeat" in said and "failed" in said, cluster.dump()
     finally:
         cluster.stop()
+
+
+def test_launch_with_replicas_goes_on_when_a_server_is_killed(tmp_path):
+    """As a user runs it: ``launch.py --replicas 2``; a server is killed half way through
+    (by its pid, from the launcher's "started" line); the job ends 0, says what happened,
+    and both workers end with the same weights."""
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", KVSTORE_BIGARRAY_BOUND="1000")
+    script = ROOT / "tests" / "workers" / "replicated.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2", "-s", "2", "--replicas", "2"]
+        + [sys.executable, str(script), "40", "sgd", "pushpull"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not any("[worker 0] step 5 " in line for line in seen):
+            left = deadline - time.monotonic()
+            assert left > 0 and proc.poll() is None, "".join(seen)
+            try:
+                seen.append(lines.get(timeout=min(left, 1)))
+            except queue.Empty:
+                continue
+        pid = next(
+            int(line.rsplit("(pid ", 1)[1].split(")")[0])
+            for line in seen
+            if line.startswith("launch: started server 1 ")
+        )
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=90) == 0, "".join(seen)
+        reader.join(5)
+        while not lines.empty():
+            seen.append(lines.get())
+        out = "".join(seen)
+        assert "server 1 on localhost" in out and "its replicas go on" in out, out
+        weights = set(re.findall(r"weights (\w+)", out))
+        assert len(weights) == 1 and out.count(" weights ") == 2, out
+    finally:
+        if proc.poll() is None:  # SIGTERM: the launcher stops everything it started
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)

@@ -40,7 +40,7 @@ for step in range(steps):
         kv.pull(names, out=outs)
     else:
         kv.pushpull(names, grads, out=outs)
-    print(f"step {step}", flush=True)
+    print(f"step {step} at {time.time():.3f}", flush=True)
 kv.pull(names, out=outs)
 digest = hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()
 kv.close()
