@@ -254,13 +254,16 @@ def job_view(
     the stall reports the scheduler keeps."""
     nodes = []
     by_rank: dict = {}  # worker rank -> its counters
+    moved = {f["server"] for f in snapshot.get("failovers", ())}  # servers failed over
     for node in sorted(
         snapshot["nodes"], key=lambda n: (n["role"] != "worker", n["rank"], n["pid"])
     ):
         m = metrics.get(node["identity"]) or {}
         if node["role"] == "worker":
             by_rank[node["rank"]] = m
-        if node["failed"]:
+        if node["failed"] and node["role"] == "server" and node["rank"] in moved:
+            state = "failed over"
+        elif node["failed"]:
             state = "failed"
         elif node["finalized"]:
             state = "finished"
@@ -318,7 +321,9 @@ def job_view(
     return {
         "time": time.time(),
         "state": state,
-        "failure": snapshot["failure"] or next((n["reason"] for n in nodes if n["reason"]), ""),
+        "failure": snapshot["failure"]
+        or next((n["reason"] for n in nodes if n["reason"] and n["state"] == "failed"), ""),
+        "failovers": list(snapshot.get("failovers", ())),
         "uptime": snapshot["uptime"],
         "num_worker": cfg.num_worker,
         "num_server": cfg.num_server,
@@ -542,6 +547,11 @@ def _main(v: dict, cfg) -> str:
     )
     if v["failure"]:
         head += f'<p class="failure" id="failure">{e(v["failure"])}</p>'
+    for f in v.get("failovers", ()):
+        head += (
+            f'<p class="failover">epoch {f["epoch"]}: server {f["server"]} failed over to its '
+            f"replicas: {e(f['why'])}</p>"
+        )
     if not v["metrics"]:
         head += "<p>KVSTORE_METRICS=0: the nodes send no counters.</p>"
     plot = f"<section><h2>Throughput, last 5 minutes</h2>{_plot(v['history'])}</section>"

@@ -542,3 +542,40 @@ def test_snapshot_is_plain_data():
     by_rank = {(n["role"], n["rank"]): n for n in snap["nodes"]}
     assert by_rank["worker", 0]["in_barrier"] and by_rank["worker", 1]["joined"]
     assert by_rank["server", 0]["heartbeat_age"] == 1.0
+
+
+def test_replicas_a_dead_server_is_failed_over_then_fenced_and_a_lost_part_ends_the_job():
+    """KVSTORE_REPLICAS=2, S=3: chains [0,1], [1,2], [2,0]. Server 0 goes silent: a new epoch,
+    not the end of the job; when it speaks again it is told it is fenced. Then server 1
+    goes silent too: server 0's parts had servers 0 and 1 only, so the job ends, naming it."""
+    cfg = make_cfg(3, 1, heartbeat_timeout=3.0, replicas=2)
+    m = Membership(cfg, 0.0)
+    nodes = {}
+    for s in range(3):
+        nodes[f"s{s}"] = f"s{s}".encode()
+        m.receive(
+            nodes[f"s{s}"], register("server", port=10 + s, hint=s, num_server=3, num_worker=1), 0.0
+        )
+    actions = m.receive(b"w0", register("worker", pid=5, num_server=3, num_worker=1), 0.0)
+    books = [a.message.body for a in actions if isinstance(a, Send) and a.message.kind == "book"]
+    assert books and all(b["replicas"] == [[0, 1], [1, 2], [2, 0]] for b in books)
+    for who in (b"s1", b"s2", b"w0"):
+        m.receive(who, Message("heartbeat", 0, "x"), 2.5)
+    actions = m.tick(3.5)  # server 0 silent for 3.5 s
+    kinds = [
+        (type(a).__name__, getattr(getattr(a, "message", None), "kind", None)) for a in actions
+    ]
+    assert ("Broadcast", "failover") in kinds and not any(isinstance(a, Exit) for a in actions)
+    failover = next(a for a in actions if isinstance(a, Broadcast)).message.body
+    assert failover["epoch"] == 1 and failover["dead"] == [0]
+    assert b"s0" not in m.identities()  # nothing more is sent to it
+    assert m.snapshot(3.5)["failovers"][0]["server"] == 0
+    fenced = m.receive(b"s0", Message("heartbeat", 0, "server"), 4.0)  # it wakes up
+    assert [a.message.kind for a in fenced] == ["fenced"]
+    assert "fenced" in fenced[0].message.body["reason"]
+    for who in (b"s2", b"w0"):
+        m.receive(who, Message("heartbeat", 0, "x"), 6.0)
+    actions = m.tick(7.0)  # server 1 silent since 2.5 s: both of server 0's replicas lost
+    assert any(isinstance(a, Exit) and a.status == EXIT_PEER_LOST for a in actions)
+    lost = next(a for a in actions if isinstance(a, Broadcast)).message
+    assert lost.kind == "node_failed" and "server 1" in lost.body["node"]
