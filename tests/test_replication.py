@@ -302,7 +302,8 @@ def _run(tmp, opt: str, call: str, steps: int, fault=None, seed=0) -> tuple[set,
 
 
 @pytest.mark.parametrize(
-    "opt,call,fault", [("sgd", "pushpull", "kill"), ("adam", "push", "freeze")]
+    "opt,call,fault",
+    [("sgd", "pushpull", "kill"), ("adam", "push", "freeze"), ("bmuf", "2bit", "kill")],
 )
 def test_a_server_dies_and_the_weights_are_bit_identical(tmp_path, opt, call, fault):
     seed = int.from_bytes(os.urandom(4), "little")
