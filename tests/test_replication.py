@@ -400,3 +400,21 @@ def test_launch_with_replicas_goes_on_when_a_server_is_killed(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+def test_only_a_proved_server_can_forward(tmp_path):
+    """A worker of the job posing as server 1 on server 0's replication link (no proof, or
+    its own token) is refused; server 1 is then killed, and server 0's copies, which the job
+    reads from then on, hold the exact values."""
+    cluster = Cluster(2, 2, tmp_path, KVSTORE_REPLICAS=2, KVSTORE_HEARTBEAT_TIMEOUT=2)
+    try:
+        procs = cluster.start_workers("replica_impostor.py")
+        cluster.wait_for_output("worker1", "ready for the kill", 60)
+        said = cluster.output("worker1")
+        assert said.count(": refused") == 3 and "ACCEPTED" not in said, cluster.dump()
+        assert said.count("link not proved") == 2, said
+        cluster.procs["server1"].send_signal(signal.SIGKILL)
+        assert cluster.wait(procs, 60) == [0, 0], cluster.dump()
+        assert all("OK" in cluster.output(f"worker{i}") for i in range(2)), cluster.dump()
+    finally:
+        cluster.stop()
