@@ -54,7 +54,11 @@ def run(steps: int, opt: str, fault: str | None, seed: int, heartbeat: float) ->
                 proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 struck = time.time()
                 if fault == "freeze":
-                    poll_until(lambda: "failover" in cluster.output("scheduler"), 60)
+                    poll_until(  # or the job ended first: it was frozen in the last round
+                        lambda: "failover" in cluster.output("scheduler")
+                        or all(p.poll() is not None for p in procs),
+                        60,
+                    )
                     proc.send_signal(signal.SIGCONT)
             codes = cluster.wait(procs, 300)
             hashes, pause = set(), 0.0

@@ -11,6 +11,7 @@ import pytest
 
 from kvstore import optimizer as opt
 from kvstore.protocol import Message
+from kvstore.replication import Backup
 from kvstore.rounds import Rounds
 from kvstore.server import Server, _show
 from kvstore.sparse import SparseKeys, zeros
@@ -26,6 +27,7 @@ def make_server(num_workers: int, num_server: int = 1, rank: int = 0):
     s.rounds = Rounds(num_workers, 0, describe=_show)
     s.rows = SparseKeys()
     s.updater = s.optimizer_spec = None
+    s.chains, s.backup = None, Backup()  # no replicas
     s._lost, s._last_failure, s._peer_lost = set(), "", ""
     s.control = SimpleNamespace(metrics=None)
     s.sent = []  # (identity, message) of every reply
