@@ -968,6 +968,65 @@ def test_horovod_synthetic_benchmark_example_runs(net):
     assert "Traceback" not in out
 
 
+def needs(*modules: str) -> None:
+    """Skip unless every module imports: torchvision from the registry beside another torch's
+    build raises RuntimeError ('operator torchvision::nms does not exist'), not ImportError."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            pytest.skip(f"needs {name} (README: Install): {type(exc).__name__}: {exc}")
+
+
+def image_folder(root: Path, classes: int = 2, train: int = 2, val: int = 1) -> Path:
+    """``root/train`` and ``root/val`` as torchvision's ImageFolder reads ImageNet: a folder
+    per class of small random JPEGs (the example crops and resizes them to 224x224)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train), ("val", val)):
+        for c in range(classes):
+            folder = root / split / f"n{c:08d}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.JPEG")
+    return root
+
+
+def test_horovod_imagenet_resnet50_example_runs(tmp_path):
+    """Horovod's pytorch_imagenet_resnet50.py, its import changed, one epoch of torchvision's
+    ResNet-50 on 4 training and 2 validation images: each worker one step of two sub-batches
+    of one image (backward_passes_per_step=2), then one image to validate; rank 0 writes the
+    checkpoint and the TensorBoard log."""
+    needs("torchvision", "tqdm", "tensorboard")
+    example = ROOT / "examples" / "horovod" / "pytorch_imagenet_resnet50.py"
+    code = "\n".join(line for line in example.read_text().splitlines() if not line.startswith("#"))
+    assert "import kvstore.torch as hvd" in code and "horovod.torch" not in code
+    data = image_folder(tmp_path / "data")
+    out = launch(
+        example,
+        *("--train-dir", data / "train", "--val-dir", data / "val", "--epochs", "1"),
+        *("--batch-size", "1", "--batches-per-allreduce", "2", "--val-batch-size", "1"),
+        *("--log-dir", tmp_path / "logs", "--checkpoint-format", tmp_path / "ckpt-{epoch}.tar"),
+        timeout=120,
+    )
+    assert "Traceback" not in out, out
+    # tqdm's bars, on the first worker only (as Horovod's); its \r reads as a new line
+    for bar in ("Train Epoch     #1", "Validate Epoch  #1"):
+        assert f"[worker 0] \n{bar}:   0%|" in out and f"{bar}: 100%|" in out, out
+    assert "[worker 1]" not in out, out
+    losses = [float(part.split("loss=")[1].split(",")[0]) for part in out.split("it/s, ")[1:]]
+    assert losses and all(np.isfinite(losses)), out
+    state = torch.load(tmp_path / "ckpt-1.tar")
+    assert state["model"]["fc.weight"].shape == (1000, 2048)
+    assert len(state["optimizer"]["state"]) == 161  # SGD's momentum for every parameter
+    assert list((tmp_path / "logs").glob("events.out.tfevents.*"))
+    (tmp_path / "ckpt-1.tar").unlink()  # 200 MB
+
+
 def test_step_benchmark_smoke():
     """benchmarks/torch_step.py keeps working (tiny size; no timing is asserted)."""
     done = subprocess.run(
