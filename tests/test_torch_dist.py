@@ -4,7 +4,9 @@ W=3.
 One job (this file run as the worker script) trains every scenario and checks the
 collectives; the tests compare its saved weights with plain torch on one process with the
 union batch. Horovod's pytorch_mnist.py runs through the launcher to the accuracy of one
-process on the union batch.
+process on the union batch; its synthetic benchmark and its ImageNet example (on random
+JPEGs) run through the launcher with only their import changed. A worker killed under an
+allreduce loop is a HorovodInternalError on the others.
 """
 
 import json
