@@ -89,6 +89,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, timeline
+from .errors import KVStoreError
 from .server import root_only
 from .store import KVStore
 
@@ -97,6 +98,8 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "ProcessSet",
@@ -154,6 +157,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",
@@ -164,6 +168,36 @@ log = logging.getLogger("kvstore.torch")
 # Horovod's reduction ops. The store sums; Average divides the sum by the number of workers.
 Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
 _SUMMING_TYPES = ("local", "device", "dist_sync", "dist_device_sync")
+
+
+# ---------------------------------------------------------------- exceptions (Horovod's)
+
+# Horovod raises HorovodInternalError (a RuntimeError) when a collective fails. Here every
+# failure outside the caller's arguments is a KVStoreError (a peer lost, a deadline passed, a
+# refused request; kvstore.errors), which is the same thing: so the one is the other, and an
+# ``except hvd.HorovodInternalError`` written for Horovod catches PeerLostError too, with no
+# layer translating errors (an uncaught one keeps its exit code: 129 for a lost peer).
+HorovodInternalError = KVStoreError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's (``horovod.common.exceptions``): the job's hosts changed, in elastic mode.
+    kvstore.torch has no elastic mode and never raises it; scripts that name it import.
+
+    >>> hvd.HostsUpdatedInterrupt(skip_sync=True).skip_sync  # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, skip_sync: bool):
+        super().__init__(skip_sync)
+        self.skip_sync = skip_sync
+
+
+class MismatchError(KVStoreError, ValueError):
+    """Workers passed different tensors (names, dtypes or shapes) to the same collective. A
+    ValueError, as the caller's arguments were wrong, and a HorovodInternalError (so a
+    RuntimeError), as Horovod raises for a mismatch between ranks: either ``except`` catches
+    it. Every worker of the call raises it, and the job goes on."""
 
 
 # ---------------------------------------------------------------- compression (Horovod's)
@@ -697,9 +731,12 @@ def synchronize(handle: int):
 def _handle(handle, what: str):
     found = _require().handles.get(handle)
     if found is None:
+        hint = (
+            "; sparse_allreduce_async's handle is a function: call it" if callable(handle) else ""
+        )
         raise ValueError(
             f"{what}: {handle!r} is not the handle of an operation in flight (each handle "
-            "is synchronized once)"
+            f"is synchronized once){hint}"
         )
     return found
 
@@ -749,9 +786,10 @@ _AGREE_BYTES = 256
 
 
 def _agree_in(kv: KVStore, g: _Group, what: str, entries: list) -> np.ndarray:
-    """Raise the same ValueError on every worker unless all passed the same (name, array)
-    ``entries`` (names, dtypes, shapes): one small round before the data, so that no worker
-    pushes into a key the others never push (which would wait for the round timeout).
+    """Raise the same MismatchError (a ValueError) on every worker unless all passed the same
+    (name, array) ``entries`` (names, dtypes, shapes): one small round before the data, so
+    that no worker pushes into a key the others never push (which would wait for the round
+    timeout).
     Returns which workers take part (a worker that joined pushes zeros: it is left out)."""
     if g.size == 1:
         return np.ones(1, bool)
@@ -765,7 +803,7 @@ def _agree_in(kv: KVStore, g: _Group, what: str, entries: list) -> np.ndarray:
     if (rows[live] == row).all():
         return live
     got = "; ".join(f"rank {g.ranks[i]}: [{_shown(row)}]" for i, row in enumerate(rows) if live[i])
-    raise ValueError(
+    raise MismatchError(
         f"{what}: every worker must pass tensors of the same names, dtypes and shapes (in "
         f"the same order of calls); got {got}"
     )
@@ -1175,7 +1213,7 @@ def _allgather_in(kv: KVStore, g: _Group, what: str, hosts: list, names: list) -
                 if live[i]
             )
             dtypes = "differ" if len({row[0] for row in mine[live]}) > 1 else "match"
-            raise ValueError(
+            raise MismatchError(
                 f"{what}: tensors must match in dtype and in every dimension but the first; "
                 f"got {described} (dtypes {dtypes})"
             )
@@ -1283,6 +1321,44 @@ def grouped_allgather_async(
     tensors = _check_tensors("grouped_allgather_async", tensors)
     names = _grouped_names(name, len(tensors))
     return _start(_allgather_work("grouped_allgather", tensors, names, process_set))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op, process_set=global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Horovod's allreduce of a sparse COO tensor (an ``nn.Embedding(sparse=True)``'s
+    gradient), started. Returns a function, as Horovod's, that waits and returns the result:
+    every worker's entries, indices and values gathered in rank order and not coalesced (an
+    index two workers sent appears twice; torch adds them in ``coalesce()`` or any dense
+    use), the values divided by the number of workers for ``op=hvd.Average`` (integers
+    rounded down, entry by entry). One call gathers both, as :func:`grouped_allgather`.
+
+    >>> handle = hvd.sparse_allreduce_async(emb.weight.grad, "emb", hvd.Average)  # doctest: +SKIP
+    >>> grad = handle()  # doctest: +SKIP
+    """
+    what = "sparse_allreduce_async"
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise TypeError(f"{what}: expected a sparse COO tensor (tensor.to_sparse()), got {got}")
+    if op not in (Average, Sum):
+        raise ValueError(f"{what}: op={op!r}; expected hvd.Average or hvd.Sum")
+    n = _group(process_set, what).size
+    # allgather concatenates along dimension 0: indices as (nnz, sparse_dim) rows
+    parts = [tensor._indices().t().contiguous(), tensor._values()]
+    work = _allgather_work(what, parts, [f"{name}.indices", f"{name}.values"], process_set)
+    handle = _start(work)
+
+    def result() -> torch.Tensor:
+        indices, values = synchronize(handle)
+        if op == Average:
+            values = (
+                values / n if values.is_floating_point() else values.div(n, rounding_mode="floor")
+            )
+        # checked: a worker whose tensor has fewer rows than another's index gets an error,
+        # not a tensor that crashes later
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=True)
+
+    return result
 
 
 def allgather_object(obj, name: str | None = None, process_set=global_process_set) -> list:

@@ -6,8 +6,10 @@ import subprocess
 import sys
 import warnings
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -338,6 +340,77 @@ def test_reducescatter_alltoall_allgather_object():
     obj = {"a": [1, 2], "t": torch.ones(1)}
     [back] = hvd.allgather_object(obj)
     assert back["a"] == [1, 2] and torch.equal(back["t"], obj["t"])
+
+
+def test_horovod_exceptions():
+    """Horovod's exception names: a collective's failure (a lost peer too) is a
+    HorovodInternalError, a RuntimeError; a mismatch between workers is one as well as a
+    ValueError (the dist tests see it raised)."""
+    from kvstore.errors import KVStoreError, PeerLostError
+
+    assert "HorovodInternalError" in hvd.__all__ and "HostsUpdatedInterrupt" in hvd.__all__
+    assert hvd.HorovodInternalError is KVStoreError
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert issubclass(PeerLostError, hvd.HorovodInternalError)
+    assert issubclass(hvd.MismatchError, hvd.HorovodInternalError)
+    assert issubclass(hvd.MismatchError, ValueError)
+    interrupt = hvd.HostsUpdatedInterrupt(skip_sync=True)
+    assert isinstance(interrupt, RuntimeError) and interrupt.skip_sync is True
+    with pytest.raises(hvd.HorovodInternalError, match="boom"):
+        raise hvd.HorovodInternalError("boom")
+
+
+def sparse(shape, entries, dense_dims=()):
+    """A COO tensor of ``shape`` (sparse dims) x ``dense_dims`` with ``entries`` [(index,
+    value)], duplicates kept (uncoalesced)."""
+    indices = torch.tensor([i for i, _ in entries], dtype=torch.int64).reshape(-1, len(shape))
+    values = torch.tensor([v for _, v in entries], dtype=torch.float32)
+    values = values.reshape(-1, *([1] * len(dense_dims))).expand(-1, *dense_dims).clone()
+    return torch.sparse_coo_tensor(
+        indices.t(), values, (*shape, *dense_dims), check_invariants=True
+    )
+
+
+def test_sparse_allreduce_async_equals_its_input_in_one_process():
+    """One worker: the result holds the input's entries (as Horovod's: not coalesced)."""
+    grad = sparse((6,), [((4,), 1.5), ((1,), -2.0), ((4,), 0.25)], dense_dims=(3,))
+    handle = hvd.sparse_allreduce_async(grad, "emb", hvd.Average)
+    assert callable(handle)
+    out = handle()
+    assert out.is_sparse and out.shape == (6, 3) and out.dtype == torch.float32
+    assert out._nnz() == 3  # the duplicate index kept
+    assert torch.equal(out.to_dense(), grad.to_dense())
+    summed = hvd.sparse_allreduce_async(grad.coalesce(), "emb", hvd.Sum)()
+    assert torch.equal(summed.to_dense(), grad.to_dense())
+    empty = hvd.sparse_allreduce_async(sparse((5, 2), []), "empty", hvd.Average)()
+    assert empty._nnz() == 0 and empty.shape == (5, 2)
+    ints = torch.tensor([[0, 7], [0, 0]]).to_sparse()
+    assert hvd.sparse_allreduce_async(ints, "ints", hvd.Average)().to_dense().tolist() == [
+        [0, 7],
+        [0, 0],
+    ]
+    with pytest.raises(TypeError, match="expected a sparse COO tensor .*, got torch.strided"):
+        hvd.sparse_allreduce_async(torch.ones(2), "d", hvd.Sum)
+    with pytest.raises(ValueError, match="op='Max'; expected hvd.Average or hvd.Sum"):
+        hvd.sparse_allreduce_async(grad, "m", hvd.Max)
+    with pytest.raises(ValueError, match="sparse_allreduce_async's handle is a function: call"):
+        hvd.synchronize(handle)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    rows=st.integers(1, 6),
+    entries=st.lists(st.tuples(st.integers(0, 5), st.floats(-4, 4, width=32)), max_size=8),
+    dim=st.sampled_from([(), (2,)]),
+    op=st.sampled_from(["Average", "Sum"]),
+)
+def test_sparse_allreduce_async_against_dense(rows, entries, dim, op):
+    """Any COO tensor (duplicates, none, hybrid): the result's dense form is the input's."""
+    entries = [((i % rows,), v) for i, v in entries]
+    grad = sparse((rows,), entries, dense_dims=dim)
+    out = hvd.sparse_allreduce_async(grad, "h", getattr(hvd, op))()
+    assert out.shape == grad.shape and out._nnz() == len(entries)
+    assert torch.equal(out.to_dense(), grad.to_dense())
 
 
 def test_process_sets():

@@ -4,7 +4,9 @@ W=3.
 One job (this file run as the worker script) trains every scenario and checks the
 collectives; the tests compare its saved weights with plain torch on one process with the
 union batch. Horovod's pytorch_mnist.py runs through the launcher to the accuracy of one
-process on the union batch.
+process on the union batch; its synthetic benchmark and its ImageNet example (on random
+JPEGs) run through the launcher with only their import changed. A worker killed under an
+allreduce loop is a HorovodInternalError on the others.
 """
 
 import json
@@ -177,6 +179,13 @@ def api_inputs(rank):
         "bn_x": torch.randn(4, 3, 5, 5, generator=g),
         "bn_g": torch.randn(4, 3, 5, 5, generator=g),
         "alltoall": torch.arange(4.0).reshape(4, 1) + 10 * rank,
+        # row 3 from both workers, row 4 twice from rank 1 (uncoalesced)
+        "sparse": torch.sparse_coo_tensor(
+            torch.tensor([[0, 3]] if rank == 0 else [[3, 4, 4]]),
+            torch.randn(2 + rank, 2, generator=g),
+            (5, 2),
+            check_invariants=True,
+        ),
     }
 
 
@@ -251,6 +260,8 @@ def horovod_api(hvd, trace: str) -> dict:
     h = hvd.reducescatter_async(x["scatter"], op=hvd.Sum, name="async")
     out["reducescatter_async"] = hvd.synchronize(h).tolist()
     out["objects"] = hvd.allgather_object({"rank": r, "pad": "x" * (100 * r)})
+    sparse = [hvd.sparse_allreduce_async(x["sparse"], "sp", op) for op in (hvd.Average, hvd.Sum)]
+    out["sparse"] = [[t._nnz(), t.to_dense().tolist()] for t in (handle() for handle in sparse)]
     # gradients through collectives
     grads = {}
     for name, fn, weights in (
@@ -267,7 +278,7 @@ def horovod_api(hvd, trace: str) -> dict:
     out["grads"] = grads
     out["bn"] = sync_batch_norm(hvd.SyncBatchNorm(3), x["bn_x"], x["bn_g"])
     # mismatched shapes and dtypes: every worker raises, and the job goes on
-    errors = []
+    errors, caught_as = [], []
     for bad in (torch.zeros(2 + r), torch.zeros(2, dtype=torch.float64 if r else torch.float32)):
         for call in (
             hvd.allreduce,
@@ -278,7 +289,15 @@ def horovod_api(hvd, trace: str) -> dict:
                 call(bad)
             except ValueError as exc:
                 errors.append(str(exc))
-    out["mismatch_errors"] = errors
+                # as Horovod's own tests catch it
+                caught_as.append(
+                    isinstance(exc, RuntimeError) and isinstance(exc, hvd.HorovodInternalError)
+                )
+    try:
+        hvd.allgather(torch.zeros(1, 2 + r))
+    except hvd.HorovodInternalError as exc:
+        caught_as.append(isinstance(exc, ValueError))
+    out["mismatch_errors"], out["mismatch_caught_as"] = errors, caught_as
     out["after_mismatch"] = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()
     # timeline: this worker's spans while recording
     hvd.start_timeline(trace)
@@ -763,7 +782,14 @@ def test_horovod_api_across_workers(job):
             assert "rank 0: [-: float32 (2,)]; rank 1: [-: float32 (3,)]" in e, e
         for e in errors[3:]:
             assert "rank 0: [-: float32 (2,)]; rank 1: [-: float64 (2,)]" in e, e
+        assert g["mismatch_caught_as"] == [True] * 7
         assert g["after_mismatch"] == [2.0, 2.0]
+        # sparse_allreduce_async: both workers' entries, kept apart (2 + 3), summed when dense
+        dense = x0["sparse"].to_dense() + x1["sparse"].to_dense()
+        (nnz_avg, avg), (nnz_sum, total_sparse) = g["sparse"]
+        assert nnz_avg == nnz_sum == 5
+        close(avg, dense / 2)
+        close(total_sparse, dense)
         from kvstore import timeline
 
         events = timeline.read_events(str(job / f"trace.json.worker{r}"))
@@ -867,7 +893,7 @@ def test_process_set_collectives_match_one_process(psets_job, name):
             bn_sum[k] = bn_sum[k] + np.asarray(bn[k])
         shapes = "; ".join(f"rank {k}: [-: float32 ({2 + k},)]" for k in members)
         mismatch, bad_root, adasum = g["errors"]
-        assert mismatch.startswith("ValueError: ") and shapes in mismatch, mismatch
+        assert mismatch.startswith("MismatchError: ") and shapes in mismatch, mismatch
         outsider = ({0, 1, 2} - set(members)).pop()
         assert f"root_rank={outsider} is not in the process set (ranks {members})" in bad_root
         assert adasum == "NotImplementedError: Adasum does not support non-global process sets yet."
@@ -884,6 +910,20 @@ def test_distributed_optimizer_over_a_process_set(psets_job):
         expected = alone if r == 1 else union
         for got, want in zip(g["train"], expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lost_worker_is_a_horovod_internal_error(cluster):
+    """A worker killed under an allreduce loop: the others' ``except hvd.HorovodInternalError``
+    (Horovod's) catches the loss, naming the dead worker, within seconds."""
+    c = cluster(1, 3)
+    workers = c.start_workers("torch_peer_lost.py")
+    c.wait_for_output("worker0", "round 20", 60)
+    workers[2].kill()
+    assert c.wait(workers[:2], 30) == [3, 3], c.dump()
+    for i in range(2):
+        out = c.output(f"worker{i}")
+        assert "HorovodInternalError (PeerLostError): " in out, c.dump()
+        assert "worker 2 (127.0.0.1 pid" in out, c.dump()
 
 
 def mnist_accuracy(out: str) -> list[float]:
@@ -928,6 +968,65 @@ def test_horovod_synthetic_benchmark_example_runs(net):
     assert f"Model: {net}" in out and "Number of CPUs: 2" in out, out
     assert "Img/sec per CPU: " in out and "Total img/sec on 2 CPU(s): " in out, out
     assert "Traceback" not in out
+
+
+def needs(*modules: str) -> None:
+    """Skip unless every module imports: torchvision from the registry beside another torch's
+    build raises RuntimeError ('operator torchvision::nms does not exist'), not ImportError."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            pytest.skip(f"needs {name} (README: Install): {type(exc).__name__}: {exc}")
+
+
+def image_folder(root: Path, classes: int = 2, train: int = 2, val: int = 1) -> Path:
+    """``root/train`` and ``root/val`` as torchvision's ImageFolder reads ImageNet: a folder
+    per class of small random JPEGs (the example crops and resizes them to 224x224)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train), ("val", val)):
+        for c in range(classes):
+            folder = root / split / f"n{c:08d}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.JPEG")
+    return root
+
+
+def test_horovod_imagenet_resnet50_example_runs(tmp_path):
+    """Horovod's pytorch_imagenet_resnet50.py, its import changed, one epoch of torchvision's
+    ResNet-50 on 4 training and 2 validation images: each worker one step of two sub-batches
+    of one image (backward_passes_per_step=2), then one image to validate; rank 0 writes the
+    checkpoint and the TensorBoard log."""
+    needs("torchvision", "tqdm", "tensorboard")
+    example = ROOT / "examples" / "horovod" / "pytorch_imagenet_resnet50.py"
+    code = "\n".join(line for line in example.read_text().splitlines() if not line.startswith("#"))
+    assert "import kvstore.torch as hvd" in code and "horovod.torch" not in code
+    data = image_folder(tmp_path / "data")
+    out = launch(
+        example,
+        *("--train-dir", data / "train", "--val-dir", data / "val", "--epochs", "1"),
+        *("--batch-size", "1", "--batches-per-allreduce", "2", "--val-batch-size", "1"),
+        *("--log-dir", tmp_path / "logs", "--checkpoint-format", tmp_path / "ckpt-{epoch}.tar"),
+        timeout=120,
+    )
+    assert "Traceback" not in out, out
+    # tqdm's bars, on the first worker only (as Horovod's); its \r reads as a new line
+    for bar in ("Train Epoch     #1", "Validate Epoch  #1"):
+        assert f"[worker 0] \n{bar}:   0%|" in out and f"{bar}: 100%|" in out, out
+    assert "[worker 1]" not in out, out
+    losses = [float(part.split("loss=")[1].split(",")[0]) for part in out.split("it/s, ")[1:]]
+    assert losses and all(np.isfinite(losses)), out
+    state = torch.load(tmp_path / "ckpt-1.tar")
+    assert state["model"]["fc.weight"].shape == (1000, 2048)
+    assert len(state["optimizer"]["state"]) == 161  # SGD's momentum for every parameter
+    assert list((tmp_path / "logs").glob("events.out.tfevents.*"))
+    (tmp_path / "ckpt-1.tar").unlink()  # 200 MB
 
 
 def test_step_benchmark_smoke():
