@@ -234,6 +234,18 @@ class Gate:
         for rank, public in enumerate(credentials):
             self.allowed[("CURVE", z85.decode(public.encode()))] = (f"server-{rank}", None)
 
+    def allow_worker(self, cfg: Config, rank: int, credential: str) -> None:
+        """Slot ``rank`` of an elastic job has a new worker: its credential replaces the old."""
+        if not cfg.encrypt:
+            if rank < len(self.tokens):
+                self.tokens[rank] = credential
+            return
+        name = f"worker-{rank}"
+        for entry in [k for k, v in self.allowed.items() if v[0] == name]:
+            del self.allowed[entry]
+        if credential:
+            self.allowed[("CURVE", z85.decode(credential.encode()))] = (name, None)
+
     def allow_workers(self, cfg: Config, credentials: list[str]) -> None:
         """Worker ``r`` with ``credentials[r]`` only (a server's gate): its CURVE key, or (by
         default) any connection, which the server serves once it proves ``r``'s token."""
@@ -242,7 +254,8 @@ class Gate:
             self.allowed[("NULL",)] = ("conn", None)
             return
         for rank, public in enumerate(credentials):
-            self.allowed[("CURVE", z85.decode(public.encode()))] = (f"worker-{rank}", None)
+            if public:  # an elastic job's slot nobody holds yet has none
+                self.allowed[("CURVE", z85.decode(public.encode()))] = (f"worker-{rank}", None)
 
     def watch(self, sock: zmq.Socket) -> zmq.Socket:
         """Log the connections to ``sock`` that fail before the gate sees them (no key, or a

@@ -40,6 +40,7 @@ class Config:
     round_timeout: float = 0.0  # 0: a slow round is reported (stall_report), never failed
     reproducible: bool = True  # KVSTORE_REPRODUCIBLE=0: servers sum in arrival order
     replicas: int = 1  # KVSTORE_REPLICAS: copies of every dense key part, on distinct servers
+    min_workers: int = 0  # KVSTORE_MIN_WORKERS: elastic (num_worker slots, at least this many)
     staleness: float = 1  # KVSTORE_STALENESS: dist_ssp's bound in rounds; inf: as dist_async
     stall_report: float = 60.0  # seconds between reports of a round that waits
     heartbeat_interval: float = 1.0
@@ -90,6 +91,7 @@ class Config:
             round_timeout=_number(env, "KVSTORE_ROUND_TIMEOUT", 0.0, float, low=0.0),
             reproducible=_flag(env, "KVSTORE_REPRODUCIBLE", default=True),
             replicas=_number(env, "KVSTORE_REPLICAS", 1, int, low=1),
+            min_workers=_number(env, "KVSTORE_MIN_WORKERS", 0, int, low=0),
             staleness=staleness_of(env.get("KVSTORE_STALENESS"), "KVSTORE_STALENESS"),
             stall_report=_number(env, "KVSTORE_STALL_REPORT", 60.0, float, low=0.0),
             heartbeat_interval=interval,
@@ -124,6 +126,11 @@ class Config:
                 "by hand: export KVSTORE_SECRET=$(python -c 'import secrets; "
                 "print(secrets.token_hex(32))'). KVSTORE_INSECURE=1 runs without "
                 "authentication (anyone who reaches a port can join the job)"
+            )
+        if cfg.min_workers > cfg.num_worker:
+            raise ConfigError(
+                f"KVSTORE_MIN_WORKERS={cfg.min_workers} is more than the {cfg.num_worker} worker "
+                "slots (DMLC_NUM_WORKER): launch.py -n MIN:MAX sets both"
             )
         if cfg.replicas > cfg.num_server:
             raise ConfigError(

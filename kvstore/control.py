@@ -277,3 +277,5 @@ def raise_for(msg: Message, what: str) -> None:
         raise kind(f"{what}: {msg.body['node']} failed: {msg.body['reason']}")
     if msg.kind == "shutdown":
         raise PeerLostError(f"{what}: the scheduler ended the job")
+    if msg.kind == "fenced":
+        raise PeerLostError(f"{what}: {msg.body['reason']}")

@@ -102,6 +102,7 @@ class Node:
     finalized: bool = False
     cred: str = ""  # a worker's token or a node's CURVE public key (see kvstore.auth)
     failed: str = ""  # why it failed, once it has
+    left: bool = False  # an elastic job's worker that is gone (its slot may be taken again)
 
     @property
     def name(self) -> str:
@@ -138,6 +139,12 @@ class Membership:
         self.dead: list[int] = []  # the ranks of the servers failed over, in order
         self.history: list[dict] = []  # the failovers: epoch, server, why (the status page)
         self.chains: list = []  # server rank -> the servers holding its parts (from the book)
+        # elastic workers (KVSTORE_MIN_WORKERS): slots 0..num_worker-1, each held by at most one
+        # live worker; every change of who holds them is an epoch of its own
+        self.elastic = bool(getattr(cfg, "min_workers", 0))
+        self.enough_since: float | None = None  # when MIN workers had registered (start-up)
+        self.short_since: float | None = None  # when fewer than MIN were left (running)
+        self.queued: list = []  # (identity, register message, since): newcomers for a full job
         self.handlers = {
             "heartbeat": self._on_heartbeat,
             "barrier": self._on_barrier,
@@ -164,6 +171,8 @@ class Membership:
             node.last_seen = now
         if msg.kind == "register":
             return self._register(identity, msg, now)
+        if node is None and any(i == identity for i, _, _ in self.queued):
+            return []  # a newcomer waiting for a slot: its heartbeats need no answer yet
         if node is None:
             return _refuse(
                 identity,
@@ -172,6 +181,12 @@ class Membership:
             )
         if node.role == "server" and node.rank in self.dead:
             return self._fence(node)
+        if node.left and node.failed:  # an elastic job's worker that was given up on
+            text = (
+                f"{node.name} was taken out of the job ({node.failed}); its slot may be another "
+                "worker's now: it must exit (the launcher starts a fresh one)"
+            )
+            return [Send(node.identity, Message("fenced", 0, "scheduler", {"reason": text}))]
         handler = self.handlers.get(msg.kind)
         if handler is None:
             return _refuse(identity, msg, f"scheduler: unexpected {msg.kind} from {node.name}")
@@ -191,7 +206,10 @@ class Membership:
         return [
             n.identity
             for n in self.nodes.values()
-            if n.role in roles and n.identity != skip and not (n.role == "server" and n.failed)
+            if n.role in roles
+            and n.identity != skip
+            and not (n.role == "server" and n.failed)
+            and not n.left
         ]
 
     def doing(self, rank: int) -> str:
@@ -228,7 +246,8 @@ class Membership:
             },
             "joined": list(self.joined),
             "epoch": self.epoch,
-            "failovers": list(self.history),
+            "failovers": [h for h in self.history if "server" in h],
+            "membership": [h for h in self.history if "worker" in h],
         }
 
     # ---- registration
@@ -250,7 +269,9 @@ class Membership:
                 identity, msg, f"scheduler: duplicate registration from {self.nodes[identity].name}"
             )
         wanted = cfg.num_server if b["role"] == "server" else cfg.num_worker
-        have = sum(n.role == b["role"] for n in self.nodes.values())
+        have = sum(n.role == b["role"] and not n.left for n in self.nodes.values())
+        if self.elastic and b["role"] == "worker" and (self.ready or have < wanted):
+            return self._register_elastic(identity, msg, now, have)
         if self.ready or have >= wanted:
             return _refuse(
                 identity,
@@ -286,7 +307,7 @@ class Membership:
 
     def _send_book(self) -> list:
         for role in ROLES:
-            members = [n for n in self.nodes.values() if n.role == role]
+            members = [n for n in self.nodes.values() if n.role == role and not n.left]
             if sorted(n.rank_hint for n in members) == list(range(len(members))):
                 members.sort(key=lambda n: n.rank_hint)  # the launcher's numbering
             else:
@@ -316,6 +337,10 @@ class Membership:
                 "replicas": self.chains if count > 1 else None,
                 **creds[node.role],
             }
+            if self.elastic:
+                body["present"], body["epoch"] = self._present(), self.epoch
+                if node.role == "server":  # a slot nobody holds yet: no credential
+                    body["workers"] = [self._cred_of(r) for r in range(self.cfg.num_worker)]
             actions.append(Send(node.identity, Message("book", 0, "scheduler", body)))
         self.ready = True
         actions.append(
@@ -341,7 +366,11 @@ class Membership:
                 f"scheduler: {node.name} cannot join "
                 f"barrier group {group!r} (valid: worker, server, all)",
             )
-        done = [n.name for n in self.nodes.values() if n.role in GROUPS[group] and n.finalized]
+        done = [
+            n.name
+            for n in self.nodes.values()
+            if n.role in GROUPS[group] and n.finalized and not n.left
+        ]
         if done:
             return _refuse(
                 node.identity,
@@ -385,7 +414,9 @@ class Membership:
 
     def _absent(self, group: str, wait: _Wait) -> list[Node]:
         return [
-            n for n in self.nodes.values() if n.role in GROUPS[group] and n.identity not in wait.ids
+            n
+            for n in self.nodes.values()
+            if n.role in GROUPS[group] and n.identity not in wait.ids and not n.left
         ]
 
     def _fail_barriers(self, text: str) -> list:
@@ -440,6 +471,11 @@ class Membership:
 
     # ---- the end of a node
     def _on_finalize(self, node: Node, msg: Message, now: float) -> list:
+        if self.elastic and node.role == "worker" and self.ready:
+            ack = Send(node.identity, Message("ack", msg.id, "scheduler"))
+            return [ack, Log(logging.INFO, f"{node.name} finished")] + self._worker_left(
+                node, "it finished", now
+            )
         node.finalized = True
         actions: list = [
             Send(node.identity, Message("ack", msg.id, "scheduler")),
@@ -471,6 +507,8 @@ class Membership:
             return actions
         if self._can_fail_over(node):
             return actions + self._fail_over(node, reason)
+        if self.elastic and node.role == "worker" and self.ready:
+            return actions + self._worker_left(node, f"failed: {reason}", now)
         actions.append(Log(logging.ERROR, f"node failed: {node.name} failed: {reason}"))
         failure = Message("node_failed", 0, "scheduler", {"node": node.name, "reason": reason})
         actions.append(Broadcast(failure, skip=node.identity))
@@ -620,6 +658,10 @@ class Membership:
     # ---- deadlines
     def _check_deadlines(self, now: float) -> list:
         cfg = self.cfg
+        if self.elastic:
+            started = self._elastic_deadlines(now)
+            if started:
+                return started
         if not self.ready and now - self.started > cfg.start_timeout:
             missing = []
             for role, wanted in (("server", cfg.num_server), ("worker", cfg.num_worker)):
@@ -643,6 +685,8 @@ class Membership:
                 )
                 if self._can_fail_over(node):
                     return self._fail_over(node, reason)
+                if self.elastic and node.role == "worker" and self.ready:
+                    return self._worker_left(node, reason, now)
                 node.failed = reason
                 failed = Message(
                     "node_failed", 0, "scheduler", {"node": node.name, "reason": reason}
@@ -701,6 +745,124 @@ class Membership:
         )
         return [Send(node.identity, Message("fenced", 0, "scheduler", {"reason": text}))]
 
+    # ---- elastic workers (KVSTORE_MIN_WORKERS; launch.py -n MIN:MAX)
+    ELASTIC_GRACE = 1.0  # seconds the start waits, once MIN workers came, for the others
+
+    def _present(self) -> list[int]:
+        return sorted(self._workers())
+
+    def _cred_of(self, rank: int) -> str:
+        node = self._workers().get(rank)
+        return node.cred if node is not None else ""
+
+    def _register_elastic(self, identity: bytes, msg: Message, now: float, have: int) -> list:
+        """A worker of an elastic job: before the start, as any; after it, into a free slot
+        (its hint when free, else the lowest), told the book, and announced to every node."""
+        b = msg.body
+        cred = b.get("cred", "")
+        if not isinstance(cred, str) or len(cred) > 128 or (not self.cfg.insecure and not cred):
+            return _refuse(identity, msg, "scheduler: registration without a credential")
+        if have >= self.cfg.num_worker:
+            if not self.ready or any(i == identity for i, _, _ in self.queued):
+                return _refuse(identity, msg, f"scheduler: duplicate registration from {b['host']}")
+            # every slot is held: it waits for one to free (a replacement started before its
+            # predecessor's silence was noticed), up to the start-up timeout
+            self.queued.append((identity, msg, now))
+            return [Log(logging.INFO, f"worker at {b['host']} pid {b['pid']} waits for a slot")]
+        hint = b.get("rank_hint", -1)
+        node = Node(identity, "worker", b["host"], b["port"], b["pid"], now, cred=cred)
+        node.rank_hint = hint if type(hint) is int else -1
+        self.nodes[identity] = node
+        if not self.ready:
+            return [Log(logging.INFO, f"registered worker at {b['host']} ({have + 1} workers)")]
+        taken = set(self._workers()) - {-1}
+        free = [r for r in range(self.cfg.num_worker) if r not in taken]
+        node.rank = node.rank_hint if node.rank_hint in free else free[0]
+        self.epoch += 1
+        self.short_since = None if len(taken) + 1 >= self.cfg.min_workers else self.short_since
+        self.history.append({"epoch": self.epoch, "worker": node.rank, "why": "joined"})
+        servers = self._ranked("server")
+        book = {
+            "rank": node.rank,
+            "servers": [[n.host, n.port] for n in servers],
+            "num_server": self.cfg.num_server,
+            "num_worker": self.cfg.num_worker,
+            "replicas": self.chains if self.cfg.replicas > 1 else None,
+            "server_keys": [n.cred if self.cfg.encrypt else "" for n in servers],
+            "present": self._present(),
+            "epoch": self.epoch,
+        }
+        change = {"epoch": self.epoch, "present": self._present(), "joined": node.rank}
+        return [
+            Log(logging.INFO, f"epoch {self.epoch}: {node.name} joined"),
+            Broadcast(
+                Message("members", 0, "scheduler", {**change, "cred": cred}), roles=("server",)
+            ),
+            Broadcast(Message("members", 0, "scheduler", change), roles=("worker",), skip=identity),
+            Send(identity, Message("book", 0, "scheduler", book)),
+        ]
+
+    def _worker_left(self, node: Node, why: str, now: float) -> list:
+        """A worker of a running elastic job is gone (finished, failed, silent): the others go
+        on without it, in a new epoch; its slot is free for a newcomer."""
+        node.left = node.finalized = True
+        node.failed = "" if why == "it finished" else why
+        self.epoch += 1
+        self.history.append({"epoch": self.epoch, "worker": node.rank, "why": why})
+        present = self._present()
+        change = {"epoch": self.epoch, "present": present, "left": node.rank, "why": why}
+        level = logging.INFO if why == "it finished" else logging.WARNING
+        actions: list = [
+            Log(level, f"epoch {self.epoch}: {node.name} left ({why}); {len(present)} workers"),
+            Broadcast(Message("members", 0, "scheduler", change)),
+        ]
+        actions += self._barrier_check()  # a barrier that waited for it completes now
+        if self.queued:  # a newcomer waiting for a slot takes this one
+            identity, msg, _ = self.queued.pop(0)
+            return actions + self._register_elastic(identity, msg, now, len(present))
+        if not present:
+            actions.append(Log(logging.INFO, "every worker has finished; shutting servers down"))
+            actions.append(Broadcast(Message("shutdown", 0, "scheduler"), roles=("server",)))
+            actions.append(Exit(EXIT_FAILED if self.failure else 0))
+        elif len(present) < self.cfg.min_workers and self.short_since is None:
+            self.short_since = now
+        return actions
+
+    def _elastic_deadlines(self, now: float) -> list:
+        """Start once MIN workers (and every server) came and the others had a moment; while
+        running, fewer than MIN for the start-up timeout is an error."""
+        cfg = self.cfg
+        if not self.ready:
+            servers = sum(n.role == "server" for n in self.nodes.values())
+            workers = len([n for n in self.nodes.values() if n.role == "worker"])
+            if servers == cfg.num_server and workers >= cfg.min_workers:
+                if self.enough_since is None:
+                    self.enough_since = now
+                if now - self.enough_since >= self.ELASTIC_GRACE:
+                    return self._send_book()
+            return []
+        for entry in [q for q in self.queued if now - q[2] > cfg.start_timeout]:
+            self.queued.remove(entry)
+            identity, msg, _ = entry
+            return _refuse(
+                identity,
+                msg,
+                f"scheduler: all {cfg.num_worker} worker slots stayed taken for "
+                f"{cfg.start_timeout:g}s (KVSTORE_START_TIMEOUT; launch.py -n MIN:"
+                f"{cfg.num_worker}): this worker is not needed",
+            )
+        if self.short_since is not None and now - self.short_since > cfg.start_timeout:
+            have = len(self._workers())
+            text = (
+                f"only {have} worker(s) left, fewer than the {cfg.min_workers} this elastic job "
+                f"needs (launch.py -n {cfg.min_workers}:{cfg.num_worker}), and no newcomer "
+                f"within {cfg.start_timeout:g}s (KVSTORE_START_TIMEOUT)"
+            )
+            self.failure = text
+            failed = Message("node_failed", 0, "scheduler", {"node": "scheduler", "reason": text})
+            return [Log(logging.ERROR, text), Broadcast(failed), Exit(EXIT_PEER_LOST)]
+        return []
+
     # ---- helpers
     def _done(self, actions: list) -> list:
         """Remember an Exit: the job has ended, and no deadline fails it again."""
@@ -713,7 +875,7 @@ class Membership:
         return node.role == "worker" and node.rank in self.joined
 
     def _workers(self) -> dict[int, Node]:
-        return {n.rank: n for n in self.nodes.values() if n.role == "worker"}
+        return {n.rank: n for n in self.nodes.values() if n.role == "worker" and not n.left}
 
     def _ranked(self, role: str) -> list[Node]:
         return sorted((n for n in self.nodes.values() if n.role == role), key=lambda n: n.rank)

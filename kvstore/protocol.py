@@ -72,6 +72,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # that speaks again is fenced
     "failover": {"epoch": (int,), "dead": (list,), "reason": (str,)},
     "fenced": {"reason": (str,)},
+    # elastic workers: who holds the worker slots now (scheduler -> nodes)
+    "members": {"epoch": (int,), "present": (list,)},
     # worker <-> server
     "init": {"keys": (list,)},
     "push": {"keys": (list,)},

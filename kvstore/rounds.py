@@ -141,6 +141,7 @@ class Rounds:
         self.keys: dict[Hashable, _Key] = {}
         self.finished_ranks: set[int] = set()
         self.joined_ranks: set[int] = set()
+        self.left: set[int] = set()  # elastic jobs: slots no worker holds now
         self._open: set[Hashable] = set()  # keys with a sync round under way
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
@@ -286,6 +287,30 @@ class Rounds:
                 state.pushed = [max(n, state.done) for n in state.pushed]
         return actions
 
+    def leave(self, rank: int, now: float) -> list:
+        """An elastic job's worker is gone: the rounds it pushed keep its pushes, the others
+        complete without it (as for a worker that joined, but for good)."""
+        actions: list = []
+        placed = rank in self.joined_ranks or rank in self.left  # its zero is in open rounds
+        self.left.add(rank)
+        self.joined_ranks.discard(rank)
+        for key in list(self._open):
+            state = self.keys[key]
+            out = rank in state.outsiders
+            if self.reproducible and not placed and not out and state.pushed[rank] <= state.done:
+                self._place(state, rank, _ZERO, False)  # it will not push the open round
+            self._advance(state, now, actions)
+        return actions
+
+    def arrive(self, rank: int) -> None:
+        """A worker takes slot ``rank`` of an elastic job: its first push of a key goes to the
+        key's next round (the open one completes without it)."""
+        self.left.discard(rank)
+        for key, state in self.keys.items():
+            start = state.done + (1 if key in self._open else 0)
+            state.pushed[rank] = max(state.pushed[rank], start)
+            state.last_push[rank] = -1.0
+
     def tick(self, now: float) -> list:
         """Fail the rounds open longer than the round deadline (none when it is 0)."""
         actions: list = []
@@ -385,11 +410,12 @@ class Rounds:
             self._open.add(state.name)
         state.count += 1
         if self.reproducible:
-            if state.count == 1 and (self.joined_ranks or state.outsiders):
-                # a round opens: joined ranks and those outside a group's key are out
+            if state.count == 1 and (self.joined_ranks or state.outsiders or self.left):
+                # a round opens: joined ranks, slots nobody holds and those outside a group's
+                # key are out
                 for r in state.outsiders:
                     self._place(state, r, _ZERO, False)
-                for r in self.joined_ranks - state.outsiders:
+                for r in (self.joined_ranks | self.left) - state.outsiders:
                     if state.pushed[r] <= state.done:
                         self._place(state, r, _ZERO, False)
             self._place(state, rank, grad, False)
@@ -457,10 +483,10 @@ class Rounds:
         if state.count == 0:
             return False
         out = state.outsiders
-        if not self.joined_ranks:  # each rank adds one push to a round: count them
+        if not self.joined_ranks and not self.left:  # one push per rank a round: count them
             return state.count == self.num_workers - len(out)
         return all(
-            n > state.done or rank in self.joined_ranks or rank in out
+            n > state.done or rank in self.joined_ranks or rank in out or rank in self.left
             for rank, n in enumerate(state.pushed)
         )
 
@@ -487,7 +513,10 @@ class Rounds:
         return [
             r
             for r, n in enumerate(state.pushed)
-            if n <= state.done and r not in self.joined_ranks and r not in state.outsiders
+            if n <= state.done
+            and r not in self.joined_ranks
+            and r not in state.outsiders
+            and r not in self.left
         ]
 
     def _present(self, state: _Key) -> list:

@@ -75,6 +75,8 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if cfg.min_workers:  # elastic: a newcomer in a slot takes over its identity
+            self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message)
         auth.server_socket(self.sock, cfg, self.cred)
         # Workers reach it at cfg.node_host; listen there only when that is an address of this
@@ -163,6 +165,7 @@ class Server:
             "node_failed": self._on_node_failed,
             "shutdown": self._on_shutdown,
             "failover": self._on_failover,
+            "members": self._on_members,
             "fenced": self._on_fenced,
         }
 
@@ -183,6 +186,9 @@ class Server:
                 return 1
             self.gate.allow_workers(self.cfg, workers)
             self.gate.allow_servers(self.cfg, book.body.get("peers") or [])
+        if "present" in book.body:  # elastic: the slots nobody holds are out of every round
+            for rank in set(range(self.num_workers)) - set(book.body["present"]):
+                self.rounds.leave(rank, time.monotonic())
         poller = zmq.Poller()
         if book.body.get("replicas"):
             self._start_replicas(book.body, poller)
@@ -237,6 +243,30 @@ class Server:
         self.ctx.term()
 
     # ---- the scheduler's notices
+    def _on_members(self, msg: Message) -> None:
+        """Elastic workers: a worker left (its rounds go on without it) or took a slot (its
+        credential opens the slot's connection; its pushes start at each key's next round)."""
+        body = msg.body
+        left, joined = body.get("left"), body.get("joined")
+        for rank in (left, joined):
+            if type(rank) is int and 0 <= rank < self.num_workers:
+                self._proved.pop(rank, None)  # the slot's connection proves itself again
+                for where in [w for w in self._shm_of if w[0] == rank]:
+                    del self._shm_of[where]
+        if type(left) is int and 0 <= left < self.num_workers:
+            self._execute(self.rounds.leave(left, time.monotonic()))
+        if type(joined) is int and 0 <= joined < self.num_workers:
+            if self.gate is not None:
+                self.gate.allow_worker(self.cfg, joined, body.get("cred", ""))
+            self.rounds.arrive(joined)
+        log.info(
+            "%s: epoch %d: workers %s%s",
+            self.name,
+            body["epoch"],
+            body["present"],
+            f" (worker {left} left: {body.get('why', '')})" if left is not None else "",
+        )
+
     def _on_worker_done(self, msg: Message) -> None:
         self._execute(self.rounds.finished(msg.body["rank"]))
 

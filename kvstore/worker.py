@@ -165,8 +165,13 @@ class DistStore(KVStore):
         except KVStoreError:
             self._shutdown(finalize=False)
             raise
-        self._rank = book.body["rank"]
+        self._rank = book.body["rank"]  # the slot: this worker's name to the servers
         self._num_workers = book.body["num_worker"]
+        # elastic (KVSTORE_MIN_WORKERS): the slots held now; a worker that came after the
+        # start (a book of a later epoch) finds its keys made and its peers training
+        self._present = book.body.get("present")
+        self._members_epoch = book.body.get("epoch", 0)
+        self._late = self._present is not None and self._members_epoch > 0
         self._servers = [tuple(s) for s in book.body["servers"]]
         # KVSTORE_REPLICAS > 1: the servers holding each server's parts (kvstore.sharding);
         # a request goes to the live server acting for its server (_route), and is kept
@@ -199,6 +204,7 @@ class DistStore(KVStore):
         self._control_handlers = {
             "stall": self._on_stall,
             "failover": self._on_failover,
+            "members": self._on_members,
             "barrier_done": self._on_answer,
             "join_done": self._on_answer,
         }
@@ -264,11 +270,21 @@ class DistStore(KVStore):
 
     @property
     def rank(self) -> int:
-        return self._rank
+        """This worker's place among the workers now (an elastic job renumbers them 0..N-1 in
+        slot order at every change, as Horovod does)."""
+        if self._present is None:
+            return self._rank
+        return self._present.index(self._rank) if self._rank in self._present else -1
 
     @property
     def num_workers(self) -> int:
-        return self._num_workers
+        """The workers in the job now (an elastic job's changes as they come)."""
+        return self._num_workers if self._present is None else len(self._present)
+
+    @property
+    def epoch(self) -> int:
+        """An elastic job's membership epoch: one more at every worker that joins or leaves."""
+        return self._members_epoch
 
     # ---- sending
     def _send(
@@ -489,8 +505,7 @@ class DistStore(KVStore):
             sock.close(linger=0)
         again = [r for i, r in sorted(self._requests.items()) if r.sent_to in newly]
         log.warning(
-            "%s: %s; failed over to its replicas (epoch %d): re-sending %d unanswered "
-            "request(s)",
+            "%s: %s; failed over to its replicas (epoch %d): re-sending %d unanswered request(s)",
             what,
             msg.body["reason"],
             epoch,
@@ -513,6 +528,19 @@ class DistStore(KVStore):
         request.msg = Message(old.kind, old.id, old.sender, body, arrays)
         request.sent_to = self._route[request.server]
         transport.send(self._sockets[request.sent_to], request.msg)
+
+    def _on_members(self, msg: Message, what: str) -> bool:
+        """An elastic job's workers changed: the new ones are counted from now on."""
+        body = msg.body
+        if self._present is None or body["epoch"] <= self._members_epoch:
+            return False
+        self._present, self._members_epoch = sorted(body["present"]), body["epoch"]
+        if "left" in body:
+            change = f"worker in slot {body['left']} left ({body.get('why', '')})"
+        else:
+            change = f"a worker took slot {body.get('joined')}"
+        log.info("epoch %d: %s; %d workers", body["epoch"], change, len(self._present))
+        return True
 
     def _on_answer(self, msg: Message, what: str) -> bool:
         self._answers[msg.kind] = msg
@@ -597,8 +625,11 @@ class DistStore(KVStore):
             first = item.values[0]
             self._planner.add_key(item.key, first.size, first.dtype)
         # rank 0 initialises the keys for everyone, then a barrier; every member initialises
-        # a group's keys, with no barrier across all workers
-        if members is not None or self._rank == 0:
+        # a group's keys, with no barrier across all workers; an elastic job's newcomer finds
+        # its keys made (it pulls their values) and its peers past their barrier
+        if self._late and members is None:
+            return
+        if members is not None or self.rank == 0:
             keys = [item.key for item in items]
             flats = [self._flat(item.values[:1]) for item in items]
             outgoing = self._planner.init(keys, flats, members)
@@ -783,6 +814,11 @@ class DistStore(KVStore):
     def join(self) -> int:
         """Out of data: wait until this worker's pushes are done, then count as pushing zeros
         into every round until all workers have joined; return the last rank to join."""
+        if self._present is not None:
+            raise ValueError(
+                "join() is for a fixed set of workers; in an elastic job a worker out of data "
+                "closes its store (kv.close()) and the others go on without it"
+            )
         return self._ask_scheduler("join", "join", "join_done").body["last"]
 
     def set_optimizer(self, optimizer: Optimizer) -> None:

@@ -51,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-n",
         "--num-workers",
-        type=int,
+        type=_worker_count,
         required=True,
-        help="number of worker processes (each runs your command)",
+        help="number of worker processes (each runs your command); MIN:MAX for an elastic "
+        "job (torchrun's and horovodrun's habit): MAX workers start, the job goes on while at "
+        "least MIN are left, and a worker that fails is started again in its slot",
     )
     p.add_argument(
         "-s",
@@ -167,12 +169,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _worker_count(text: str):
+    """``N``, or ``MIN:MAX`` (an elastic job): an int, or (MIN, MAX)."""
+    least, sep, most = text.partition(":")
+    try:
+        if not sep:
+            return int(text)
+        least, most = int(least), int(most)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+    if not 1 <= least <= most:
+        raise argparse.ArgumentTypeError(f"MIN:MAX needs 1 <= MIN <= MAX, got {text!r}")
+    return (least, most)
+
+
 def make_spec(args, parser) -> JobSpec:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no worker command given (e.g. python train.py --kv-store dist_sync)")
     if command[0].startswith("-"):
         parser.error(f"unrecognized option {command[0]!r}")
+    least = None
+    if isinstance(args.num_workers, tuple):
+        least, args.num_workers = args.num_workers
     num_servers = args.num_workers if args.num_servers is None else args.num_servers
     if args.colocate and args.num_servers is None and args.hostfile:
         num_servers = len({h.name for h in parse_hostfile(args.hostfile)})
@@ -196,6 +215,8 @@ def make_spec(args, parser) -> JobSpec:
         env.setdefault("KVSTORE_SECRET", secrets.token_hex(32))
     if args.interface:
         env["DMLC_INTERFACE"] = args.interface
+    if least is not None:
+        env["KVSTORE_MIN_WORKERS"] = str(least)
     if args.replicas is not None:
         if not 1 <= args.replicas <= num_servers:
             parser.error(f"--replicas {args.replicas}: expected 1 to the number of servers")

@@ -12,6 +12,7 @@ SIGTERM) stops every process the launcher started.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -96,12 +97,16 @@ class Supervisor:
         """Wait for every process; the first failure stops the rest. Returns the exit status."""
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         deadline = None if timeout is None else time.monotonic() + timeout
-        workers = [p for p in self.procs if p.role == "worker"]
         ended: list[Proc] = []
         grace_end = None  # set once every worker has exited 0
+        restarts: list = []  # elastic jobs: (when, worker) to start again
+        failures: dict = {}  # elastic jobs: worker name -> when it failed, recently
         try:
-            while len(ended) < len(self.procs):
+            while len(ended) < len(self.procs) or restarts:
                 now = time.monotonic()
+                for when, old in [r for r in restarts if r[0] <= now]:
+                    restarts.remove((when, old))
+                    self.start(dataclasses.replace(old, popen=None, last_lines=[]))
                 if deadline is not None and now > deadline:
                     self.say(f"job still running after {timeout:g}s; stopping it")
                     self.stop()
@@ -114,6 +119,21 @@ class Supervisor:
                 except queue.Empty:
                     continue
                 ended.append(proc)
+                if proc.popen.returncode and _elastic(proc):
+                    recent = [t for t in failures.get(proc.name, []) if t > now - 60] + [now]
+                    failures[proc.name] = recent
+                    if len(recent) >= 3:
+                        self.say(
+                            f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}, "
+                            f"its third failure in 60s: its slot is set aside (the others go on)"
+                        )
+                    else:
+                        self.say(
+                            f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; "
+                            "the others go on, and a new one takes its slot in 1s"
+                        )
+                        restarts.append((now + 1.0, proc))
+                    continue
                 if proc.popen.returncode and _replicated(proc):
                     # its replicas answer for its keys; the scheduler ends the job if not
                     self.say(
@@ -127,7 +147,13 @@ class Supervisor:
                     # the cause's status (a worker's own error: 1), not that of a process that
                     # merely lost it (129) and happened to exit first
                     return _status(cause.popen.returncode)
-                if grace_end is None and workers and all(w in ended for w in workers):
+                workers = self._latest_workers()
+                if (
+                    grace_end is None
+                    and workers
+                    and not restarts
+                    and all(w in ended for w in workers)
+                ):
                     grace_end = time.monotonic() + self.after_workers_grace
             self._drain()
             return 0
@@ -137,6 +163,14 @@ class Supervisor:
             return 130
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _latest_workers(self) -> list[Proc]:
+        """Each worker's latest process (an elastic job starts a failed one again)."""
+        latest: dict = {}
+        for proc in self.procs:
+            if proc.role == "worker":
+                latest[proc.name] = proc
+        return list(latest.values())
 
     def _stop_after_workers(self, running: list[Proc]) -> None:
         """Every worker exited 0 a while ago and ``running`` did not end: stop them."""
@@ -195,6 +229,14 @@ class Supervisor:
     def _drain(self) -> None:
         for reader in self.readers:
             reader.join(2)
+
+
+def _elastic(proc: Proc) -> bool:
+    """A worker of an elastic job: its failure alone does not end the job."""
+    try:
+        return proc.role == "worker" and int((proc.env or {}).get("KVSTORE_MIN_WORKERS") or 0) > 0
+    except ValueError:
+        return False
 
 
 def _replicated(proc: Proc) -> bool:

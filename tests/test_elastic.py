@@ -1,0 +1,169 @@
+"""Elastic workers (``launch.py -n MIN:MAX``, KVSTORE_MIN_WORKERS): a worker can leave (killed,
+failed or finished) and another take its slot, while the others train on without a restart.
+
+- The round machine: a slot left mid-round completes the open round with the pushes made; a
+  newcomer's pushes start at each key's next round (hypothesis, against a plain model).
+- The scheduler: the start waits for MIN, a silent worker leaves (a new epoch, not the end),
+  a newcomer waits for a free slot and takes it, and a worker given up on is fenced.
+- The real thing, through the launcher: a worker killed half way is started again in its
+  slot; the survivors never restart, every round's value is a count of workers, and the
+  newcomer's pushes count within a round.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.config import Config
+from kvstore.membership import Broadcast, Exit, Membership, Send
+from kvstore.protocol import Message
+from kvstore.rounds import Apply, Rounds
+
+from .cluster import ROOT
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    W=st.integers(2, 5),
+    events=st.lists(st.tuples(st.sampled_from(["push", "leave", "arrive"]), st.integers(0, 4))),
+    reproducible=st.booleans(),
+)
+def test_rounds_complete_with_the_pushes_of_the_workers_present(W, events, reproducible):
+    """Every push is 1, so a round's sum counts its pushes. Against a plain model of the rule:
+    a worker's n-th push goes to its next round; a newcomer's next round is the key's open
+    round's successor (or the open one if none is open); a round completes once it holds a
+    push and every worker present has pushed it. Pushes, leaves and arrivals in any order."""
+    r = Rounds(W, 0, reproducible=reproducible)
+    r.add_key("k")
+    present = set(range(W))
+    nxt, counts, done, model = [0] * W, {}, 0, []
+    applied = []
+    for kind, who in events:
+        rank = who % W
+        if kind == "push" and rank in present:
+            counts[nxt[rank]] = counts.get(nxt[rank], 0) + 1
+            nxt[rank] += 1
+            grad = np.ones(1, np.float32)
+            grad.flags.writeable = False
+            actions = r.push(object(), rank, [("k", grad)], True, 0.0)
+        elif kind == "leave" and rank in present and len(present) > 1:
+            present.discard(rank)
+            actions = r.leave(rank, 0.0)
+        elif kind == "arrive" and rank not in present:
+            present.add(rank)
+            nxt[rank] = max(nxt[rank], done + (1 if counts.get(done) else 0))
+            r.arrive(rank)
+            actions = []
+        else:
+            continue
+        applied += [float(a.value[0]) for a in actions if isinstance(a, Apply)]
+        while counts.get(done) and all(nxt[q] > done for q in present):
+            model.append(float(counts[done]))
+            done += 1
+    assert applied == model
+
+
+def make_cfg(**kw) -> Config:
+    kw.setdefault("insecure", True)
+    return Config("scheduler", "127.0.0.1", 9091, 1, 3, "127.0.0.1", **kw)
+
+
+def register(role, pid, hint=-1):
+    body = {
+        "role": role,
+        "host": "h",
+        "port": 10 if role == "server" else 0,
+        "pid": pid,
+        "num_server": 1,
+        "num_worker": 3,
+        "rank_hint": hint,
+        "cred": "c",
+    }
+    return Message("register", 0, role, body)
+
+
+def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_gone():
+    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
+    m.receive(b"s", register("server", 1), 0.0)
+    m.receive(b"a", register("worker", 2, 0), 0.0)
+    assert m.tick(0.5) == [] and not m.ready  # one worker: fewer than MIN
+    m.receive(b"b", register("worker", 3, 1), 0.6)
+    assert not m.tick(1.0) and not m.ready  # MIN came: a moment for the third
+    books = [a for a in m.tick(2.1) if isinstance(a, Send) and a.message.kind == "book"]
+    assert m.ready and len(books) == 3
+    assert all(b.message.body["present"] == [0, 1] for b in books)
+    for who in (b"s", b"a"):
+        m.receive(who, Message("heartbeat", 0, "x"), 4.0)
+    actions = m.tick(4.5)  # worker 1 silent since 0.6 s
+    assert not any(isinstance(a, Exit) for a in actions)
+    change = next(a.message.body for a in actions if isinstance(a, Broadcast))
+    assert change["left"] == 1 and change["present"] == [0] and change["epoch"] == 1
+    fenced = m.receive(b"b", Message("heartbeat", 0, "worker"), 5.0)  # it was only frozen
+    assert [a.message.kind for a in fenced] == ["fenced"]
+    actions = m.receive(b"c", register("worker", 4, 1), 5.0)  # a replacement for slot 1
+    book = next(a.message for a in actions if isinstance(a, Send))
+    assert book.kind == "book" and book.body["rank"] == 1 and book.body["epoch"] == 2
+    assert book.body["present"] == [0, 1]
+    told = [a.message for a in actions if isinstance(a, Broadcast)]
+    assert {t.body["joined"] for t in told} == {1} and any("cred" in t.body for t in told)
+    m.receive(b"d", register("worker", 5, 2), 5.1)  # slot 2: free too
+    actions = m.receive(b"e", register("worker", 6, -1), 5.2)  # no slot left: it waits
+    assert not any(isinstance(a, Send) for a in actions)
+    assert m.receive(b"e", Message("heartbeat", 0, "worker"), 5.3) == []
+    actions = m.receive(b"a", Message("finalize", 7, "worker"), 6.0)  # worker 0 is done
+    book = next(a.message for a in actions if isinstance(a, Send) and a.identity == b"e")
+    assert book.kind == "book" and book.body["rank"] == 0  # the waiting one takes slot 0
+
+
+def _launch_elastic(tmp_path, kill_after: str) -> str:
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    script = ROOT / "tests" / "workers" / "elastic_counter.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1"]
+        + [sys.executable, str(script), "50", "0.05"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    killed = False
+    try:
+        for line in proc.stdout:  # bounded: the launcher's own deadline below ends it
+            seen.append(line)
+            if not killed and kill_after in line:
+                pid = next(
+                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
+                    for x in seen
+                    if x.startswith("launch: started worker 1 ")
+                )
+                os.kill(pid, 9)
+                killed = True
+        assert proc.wait(timeout=90) == 0, "".join(seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return "".join(seen)
+
+
+def test_a_worker_killed_is_replaced_and_the_others_never_restart(tmp_path):
+    out = _launch_elastic(tmp_path, "[worker 0] step 10 ")
+    assert "worker 1 on localhost was killed by SIGKILL; the others go on" in out, out
+    assert "[worker 1] late: slot 1" in out, out  # the replacement took slot 1
+    for rank in (0, 2):  # survivors: every step once, in order, no second start
+        steps = [int(s) for s in re.findall(rf"\[worker {rank}\] step (\d+) ", out)]
+        assert steps == list(range(50)), (rank, steps)
+    values = re.findall(r"step \d+ value (\S+) workers (\d+)", out)
+    assert all(float(v) in (1, 2, 3) for v, _ in values), values
+    # the newcomer's pushes count: rounds of 3 after the kill
+    after = out.split("[worker 1] late")[1]
+    assert re.search(r"\[worker 0\] step \d+ value 3 workers 3", after), out
