@@ -125,6 +125,11 @@ class Config:
                 "print(secrets.token_hex(32))'). KVSTORE_INSECURE=1 runs without "
                 "authentication (anyone who reaches a port can join the job)"
             )
+        if cfg.replicas > 2:
+            raise ConfigError(
+                f"KVSTORE_REPLICAS={cfg.replicas}: at most 2 for now (a backup that missed the "
+                "last forward of a dead primary is not yet brought back in step)"
+            )
         if cfg.replicas > cfg.num_server:
             raise ConfigError(
                 f"KVSTORE_REPLICAS={cfg.replicas} needs at least that many servers; the job has "

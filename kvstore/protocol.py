@@ -72,6 +72,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # that speaks again is fenced
     "failover": {"epoch": (int,), "dead": (list,), "reason": (str,)},
     "fenced": {"reason": (str,)},
+    "replica_lost": {"server": (int,), "reason": (str,)},  # server -> scheduler
     # worker <-> server
     "init": {"keys": (list,)},
     "push": {"keys": (list,)},

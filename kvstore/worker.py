@@ -55,6 +55,9 @@ _MUTATING = frozenset(
     | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 )
 _PULLING = frozenset({"pull", "pushpull"})
+# Requests every live replica of a part gets its own copy of (or that prove one connection):
+# after a failover, one to a dead server is not sent again.
+_FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth"})
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -487,10 +490,16 @@ class DistStore(KVStore):
             sock = self._sockets[server]
             self._poller.unregister(sock)
             sock.close(linger=0)
-        again = [r for i, r in sorted(self._requests.items()) if r.sent_to in newly]
+        again = []
+        for msg_id, request in sorted(self._requests.items()):
+            if request.sent_to not in newly:
+                continue
+            if request.kind in _FANNED_OUT:  # every live replica has its own copy of it
+                del self._requests[msg_id]
+            else:
+                again.append(request)
         log.warning(
-            "%s: %s; failed over to its replicas (epoch %d): re-sending %d unanswered "
-            "request(s)",
+            "%s: %s; failed over to its replicas (epoch %d): re-sending %d unanswered request(s)",
             what,
             msg.body["reason"],
             epoch,
@@ -834,11 +843,13 @@ class DistStore(KVStore):
                 f"{fname} holds the state of {len(blobs)} servers; this job has "
                 f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER"
             )
-        ids = [
+        ids = [  # with replicas, to every live server keeping a copy of server s's parts
             self._send(
-                s, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
+                r, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
             )
             for s, b in enumerate(blobs)
+            for r in (self._chains[s] if self._chains else [s])
+            if r not in self._dead
         ]
         for msg_id in ids:
             self._requests[msg_id].kind = "set_states"  # a partial load fails the store
