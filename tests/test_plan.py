@@ -197,8 +197,8 @@ def test_a_pull_plan_names_each_part_once_and_carries_no_arrays():
     assert all(m.kind == "pull" and m.arrays == () for m in messages)
 
 
-def test_a_compressed_push_quantises_each_message_when_it_is_taken():
-    """So the driver sends message k while message k+1 is quantised; the servers take turns,
+def test_a_compressed_push_quantises_each_message_one_ahead_of_its_sending():
+    """So the driver sends message k while message k+2 is quantised; the servers take turns,
     so each link has a piece early."""
     planner = Planner(2, 10, piece_bytes=64)
     planner.add_key("big", 160, "f4")  # 640 bytes: 10 pieces of 16 floats, 5 per server
@@ -215,8 +215,10 @@ def test_a_compressed_push_quantises_each_message_when_it_is_taken():
         messages = planner.push("push", ["big"], [value], True, codec, {})
         assert calls == []
         first = next(messages)
-        assert calls == [16] and first.server == 0
-        rest = list(messages)
+        assert calls == [16, 16] and first.server == 0
+        second = next(messages)
+        assert len(calls) == 3 and second.server == 1
+        rest = [second, *messages]
     assert len(calls) == 10
     assert [m.server for m in [first, *rest]] == [0, 1] * 5
     assert [m.keys[0][1] for m in [first, *rest]] == list(range(10))  # part k is piece k
