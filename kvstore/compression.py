@@ -10,9 +10,10 @@ residual, sends the packed codes, and keeps what quantisation lost for the next 
   elements per byte, 32x smaller than float32.
 
 Both halves are written against the array module, so they run on NumPy and CuPy, and cost a
-few passes over the gradient (``benchmarks/codec.py`` measures them against ``np.add``): the
-worker quantises in pieces that fit the L2 cache (on the host), and the server decodes with
-one table lookup per byte (4 or 8 values), the same floats the worker subtracted.
+few passes over the gradient (``benchmarks/codec.py`` measures them against ``np.copyto``):
+the worker quantises in pieces that fit the L2 cache (on the host, with scratch buffers kept
+per thread from call to call), and the server decodes with one table lookup per byte (4 or 8
+values), the same floats the worker subtracted.
 
 >>> import numpy as np
 >>> c = Compression.from_params({'type': '2bit', 'threshold': 0.5})
