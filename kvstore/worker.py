@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Iterator
 
 import msgpack
 import numpy as np
@@ -299,12 +300,14 @@ class DistStore(KVStore):
                 "is full (is it alive?)"
             ) from None
 
-    def _commit(self, what: str, outgoing: list[Outgoing], collector=None) -> tuple[list, list]:
-        """Carry out a plan: write the shared segments, send every message, then keep the
-        compression residuals. A failure after the first send leaves the servers' rounds
-        apart: the store is failed with its cause. Returns (request ids, trackers)."""
+    def _commit(self, what: str, outgoing: Iterable[Outgoing], collector=None) -> tuple[list, list]:
+        """Carry out a plan: write the shared segments, send every message as the plan gives
+        it (a compressed push is quantised message by message, so one is on the wire while
+        the next is quantised), then keep the compression residuals. A failure after the
+        first send leaves the servers' rounds apart: the store is failed with its cause.
+        Returns (request ids, trackers)."""
         self._check_alive()
-        ids, trackers = [], []
+        ids, trackers, kept = [], [], []
         sent_any = False
         kept, moved = self._chains is not None, self._dead
         try:
@@ -344,6 +347,7 @@ class DistStore(KVStore):
                 if collector is not None:
                     collector.expect(msg_id, out.keys)
                 ids.append(msg_id)
+                kept.extend(out.residuals)
         except BaseException as exc:
             if collector is not None:
                 collector.cancel()
@@ -354,8 +358,7 @@ class DistStore(KVStore):
                     PeerLostError,
                 )
             raise
-        for out in outgoing:
-            self._residuals.update(out.residuals)
+        self._residuals.update(kept)
         return ids, trackers
 
     def _to_segments(self, out: Outgoing, arrays: list) -> list:
@@ -623,7 +626,7 @@ class DistStore(KVStore):
         if members is None:
             self.barrier()
 
-    def _push_plan(self, kind: str, items) -> list[Outgoing]:
+    def _push_plan(self, kind: str, items) -> Iterator[Outgoing]:
         return self._planner.push(
             kind,
             [item.key for item in items],
