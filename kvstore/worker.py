@@ -309,7 +309,7 @@ class DistStore(KVStore):
         self._check_alive()
         ids, trackers, kept = [], [], []
         sent_any = False
-        kept, moved = self._chains is not None, self._dead
+        retain, moved = self._chains is not None, self._dead  # with replicas: keep messages
         try:
             for out in outgoing:
                 msg_id = next(self._ids)
@@ -322,7 +322,7 @@ class DistStore(KVStore):
                 pulled = self._pull_regions(out) if out.kind in _PULLING and here else ()
                 if pulled:
                     body["shm_pull"] = pulled
-                if kept:
+                if retain:
                     if self._epoch:
                         body["epoch"] = self._epoch
                     if out.kind == "push":  # push returns before its answer: keep a copy
@@ -337,7 +337,7 @@ class DistStore(KVStore):
                     collector,
                     None,
                     segments,
-                    msg if kept else None,
+                    msg if retain else None,
                     self._route[out.server],
                 )
                 for i, _, _ in used:
