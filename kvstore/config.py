@@ -132,6 +132,11 @@ class Config:
                 f"KVSTORE_MIN_WORKERS={cfg.min_workers} is more than the {cfg.num_worker} worker "
                 "slots (DMLC_NUM_WORKER): launch.py -n MIN:MAX sets both"
             )
+        if cfg.replicas > 2:
+            raise ConfigError(
+                f"KVSTORE_REPLICAS={cfg.replicas}: at most 2 for now (a backup that missed the "
+                "last forward of a dead primary is not yet brought back in step)"
+            )
         if cfg.replicas > cfg.num_server:
             raise ConfigError(
                 f"KVSTORE_REPLICAS={cfg.replicas} needs at least that many servers; the job has "

@@ -131,7 +131,7 @@ class Membership:
         self.barriers: dict[str, _Wait] = {}
         self.joined: dict[int, int] = {}  # worker rank -> its join request, in join order
         self.join_wait: _Wait | None = None
-        self.join_acks = 0  # servers' acks of the joins so far
+        self.join_acks: set = set()  # (server rank, worker rank): a server took note of a join
         self.failure = ""  # what failed the job (a deadlock): later failures are its result
         self.exited: int | None = None  # the status of the Exit returned, once one was
         self._round_logs: dict[str, float] = {}  # a stalled round -> when it is logged next
@@ -153,6 +153,7 @@ class Membership:
             "stalled": self._on_stalled,
             "join": self._on_join,
             "joined_ack": self._on_joined_ack,
+            "replica_lost": self._on_replica_lost,
         }
 
     # ---- cadences
@@ -450,13 +451,19 @@ class Membership:
         return actions + self._barrier_check()  # a joined worker counts as arrived
 
     def _on_joined_ack(self, node: Node, msg: Message, now: float) -> list:
-        self.join_acks += 1
+        self.join_acks.add((node.rank, msg.body.get("rank")))
         return self._join_check()
+
+    def _acks_missing(self) -> int:
+        """Acknowledgements of the joins still due from live servers (a server failed over
+        owes none)."""
+        servers = [n.rank for n in self._ranked("server") if n.rank not in self.dead]
+        return sum((s, r) not in self.join_acks for s in servers for r in self.joined)
 
     def _join_check(self) -> list:
         """Let the joined workers go once every worker has joined or finished, and every
-        server has taken note of every join."""
-        if not self.joined or self.join_acks < len(self.joined) * self.cfg.num_server:
+        live server has taken note of every join."""
+        if not self.joined or self._acks_missing():
             return []
         workers = self._workers()
         if any(r not in self.joined and not n.finalized for r, n in workers.items()):
@@ -466,7 +473,7 @@ class Membership:
             Send(workers[rank].identity, Message("join_done", req_id, "scheduler", {"last": last}))
             for rank, req_id in self.joined.items()
         ]
-        self.joined, self.join_acks, self.join_wait = {}, 0, None
+        self.joined, self.join_acks, self.join_wait = {}, set(), None
         return actions
 
     # ---- the end of a node
@@ -646,7 +653,7 @@ class Membership:
             text = f"stall: {what} has waited {now - wait.started:.0f}s for {ranks}: "
             text += "; ".join(parts)
         else:  # a join whose every worker came: the servers have yet to acknowledge it
-            acks = len(self.joined) * self.cfg.num_server - self.join_acks
+            acks = self._acks_missing()
             text = (
                 f"stall: {what} has waited {now - wait.started:.0f}s for {acks} "
                 "acknowledgement(s) of the joins from the servers"
@@ -734,6 +741,26 @@ class Membership:
         return [
             Log(logging.WARNING, f"failover to epoch {self.epoch}: {reason}; {moved}"),
             Broadcast(Message("failover", 0, "scheduler", body), skip=node.identity),
+            *self._join_check(),  # a join that waited for its acknowledgement goes on
+        ]
+
+    def _on_replica_lost(self, node: Node, msg: Message, now: float) -> list:
+        """A primary could not keep a backup in step (it refused or could not be sent a
+        forward): that backup is failed over like a dead one, so it never answers with a
+        stale copy; if that would lose a part, the job ends."""
+        rank, why = msg.body.get("server"), msg.body.get("reason", "")
+        victim = next((n for n in self._ranked("server") if n.rank == rank), None)
+        if node.role != "server" or victim is None or rank in self.dead:
+            return []
+        reason = f"{victim.name} fell out of step with {node.name}'s parts: {why}"
+        if self._can_fail_over(victim):
+            return self._fail_over(victim, reason)
+        victim.failed = reason
+        failed = Message("node_failed", 0, "scheduler", {"node": victim.name, "reason": reason})
+        return [
+            Log(logging.ERROR, f"node failed: {reason}"),
+            Broadcast(failed),
+            Exit(EXIT_PEER_LOST),
         ]
 
     def _fence(self, node: Node) -> list:

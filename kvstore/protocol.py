@@ -72,6 +72,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # that speaks again is fenced
     "failover": {"epoch": (int,), "dead": (list,), "reason": (str,)},
     "fenced": {"reason": (str,)},
+    "replica_lost": {"server": (int,), "reason": (str,)},  # server -> scheduler
     # elastic workers: who holds the worker slots now (scheduler -> nodes)
     "members": {"epoch": (int,), "present": (list,)},
     # worker <-> server

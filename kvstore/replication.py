@@ -9,8 +9,9 @@ backups, which apply it with the same optimizer and state. Sums are taken in a f
 the same bits.
 
 - **Answers wait for the backups.** A reply (of a push, a pull, anything that shows or
-  confirms applied state) leaves the primary only once every live backup acknowledged every
-  forward sent before it (:class:`Primary`): an acknowledged update is on every live replica.
+  confirms applied state) leaves the primary only once every live backup acknowledged the
+  latest forward of every key the reply names, checked when it leaves (:class:`Primary`): so
+  what a worker reads or is told was applied is on every live replica.
 - **A backup is passive** (:class:`Backup`): it applies forwards, in order, and counts them;
   its copies of a part are in no round of its own until a failover makes it the acting server
   for that part (the first live server of the part's chain, :func:`kvstore.sharding.acting`).
@@ -40,7 +41,8 @@ class Primary:
         self.rounds: dict = {}  # key -> sync rounds applied (the round of its next Apply)
         self.sent: dict[int, int] = {}  # backup -> the sequence number of its last forward
         self.acked: dict[int, int] = {}  # backup -> the last sequence number it acknowledged
-        self.parked: deque = deque()  # (sequence numbers needed per backup, answer)
+        self.latest: dict = {}  # key -> {backup: the sequence number of its latest forward}
+        self.parked: list = []  # (answer, the keys it names), in the order they came
 
     # ---- pushes and the forwards that hold them
     def pushed(self, key: Hashable, rank: int, round_: int, request_id: int) -> None:
@@ -68,20 +70,33 @@ class Primary:
         self.rounds[key] = rounds
 
     # ---- acknowledgements
-    def forwarded(self, backup: int) -> int:
-        """A forward goes to ``backup``: its sequence number."""
+    def forwarded(self, backup: int, keys) -> int:
+        """A forward of ``keys`` goes to ``backup``: its sequence number."""
         seq = self.sent[backup] = self.sent.get(backup, 0) + 1
+        latest = self.latest
+        for key in keys:
+            held = latest.get(key)
+            if held is None:
+                latest[key] = {backup: seq}
+            else:
+                held[backup] = seq
         return seq
 
-    def pending(self) -> bool:
-        return any(self.sent[b] > self.acked.get(b, 0) for b in self.sent)
+    def _held(self, keys) -> bool:
+        """Whether every live backup holds the latest forward of each of ``keys``."""
+        sent, acked, latest = self.sent, self.acked, self.latest
+        for key in keys:
+            for backup, seq in latest.get(key, {}).items():
+                if backup in sent and acked.get(backup, 0) < seq:
+                    return False
+        return True
 
-    def answer(self, action) -> list:
+    def answer(self, action, keys) -> list:
         """``[action]`` when it may go out now, else ``[]`` (parked until the backups hold
-        every forward sent before it)."""
-        if not self.parked and not self.pending():
+        the latest forward of every key it names)."""
+        if self._held(keys):
             return [action]
-        self.parked.append((dict(self.sent), action))
+        self.parked.append((action, keys))
         return []
 
     def ack(self, backup: int, seq: int) -> list:
@@ -97,14 +112,11 @@ class Primary:
         return self._release()
 
     def _release(self) -> list:
-        out = []
-        while self.parked:
-            needs, action = self.parked[0]
-            if any(b in self.sent and self.acked.get(b, 0) < seq for b, seq in needs.items()):
-                break
-            self.parked.popleft()
-            out.append(action)
-        return out
+        out, still = [], []
+        for action, keys in self.parked:
+            (out if self._held(keys) else still).append((action, keys))
+        self.parked = still
+        return [action for action, _ in out]
 
 
 class Backup:

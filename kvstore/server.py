@@ -148,6 +148,7 @@ class Server:
         self._peer_proved: dict[int, str] = {}  # server rank -> the connection that proved it
         self._pusher = None  # (rank, request id) of the push in hand (async forwards)
         self._deferred: list = []  # requests of a later epoch than this server has seen
+        self._unsent: set = set()  # keys whose forward is noted but not yet sent
         self.rows = SparseKeys()  # row-sparse keys (kvstore.sparse)
         self.handlers.update(
             {
@@ -401,15 +402,17 @@ class Server:
                     if why:
                         broken[action.key] = why
                     continue
-                forwarded = forwards is not None and self._forward(action, forwards)
+                entry = None if forwards is None else self._forward(action, forwards)
                 try:
-                    self._apply(action, forwarded)
+                    self._apply(action, entry is not None)
                 except Exception as exc:  # the updater raised, memory ran out: every request
                     # waiting on this round hears why (they follow in this list), none hangs
                     broken[action.key] = (
                         f"the round of key {_show(action.key)} could not be applied: "
                         f"{type(exc).__name__}: {exc}"
                     )
+                    if entry is not None:  # the backups count the round, apply nothing
+                        entry[4] = False
             elif isinstance(action, Reply):
                 why = self._broken_for(action.request, broken) if broken else ""
                 if why:  # the round it waited for was never applied: say so, do not answer
@@ -423,7 +426,7 @@ class Server:
         if forwards:
             self._send_forwards(forwards)
         for request in answers:
-            for ready in self.primary.answer(request):
+            for ready in self.primary.answer(request, _keys_of(request)):
                 self._reply(ready)
 
     def _fail_request(self, req: Request, text: str) -> None:
@@ -452,6 +455,8 @@ class Server:
         old = self.stored[key]
         sends = self.sending.pop(key, None)
         busy = sends is not None and any(not s.done for s in sends)
+        if self._unsent and key in self._unsent:  # a forward of this action list reads it
+            busy = True
         home = self.backup.home.get(key) if self.chains is not None else None
         updater = self.updater if home is None else self.backup_updaters.get(home)
         if updater is None and not action.accumulate:
@@ -574,15 +579,15 @@ class Server:
             raise ValueError("a key appears twice in one request")
         for key, array in fresh:
             self.stored[key] = np.array(array.reshape(-1))  # our own, writable copy
+            root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
+            if root is not None:  # a backup copy too: it may answer for it one day
+                self._roots[key] = int(root[1])
             if home != self.rank:  # a backup copy: in no round here while its primary lives
                 answering = acting(home, self.chains, self.dead) == self.rank
                 self.backup.hold(key, home, members, answering)
                 if not answering:
                     continue
             self.rounds.add_key(key, members)
-            root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
-            if root is not None:
-                self._roots[key] = int(root[1])
         self._send(identity, Message("ack", msg.id, self.name))
 
     def _grads(self, msg: Message, keys: list, rank: int) -> list:
@@ -795,6 +800,7 @@ class Server:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"server-{self.rank}".encode())
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop a forward: answers wait for its ack
             auth.worker_socket(sock, cfg, self.rank, self.cred, self._peer_keys[backup])
             host, port = self._addresses[backup]
             sock.connect(f"tcp://{host}:{port}")
@@ -806,37 +812,39 @@ class Server:
             if challenged:
                 transport.send(sock, Message("hello", self._HELLO, self.name, {"host": ""}))
 
-    def _forward(self, action: Apply, forwards: dict) -> bool:
-        """Note an applied round (or async push) for the live backups of its key; False when
-        it has none."""
+    def _forward(self, action: Apply, forwards: dict) -> list | None:
+        """Note a round (or async push) about to be applied for the live backups of its key:
+        its entry ``[key, part, accumulate, pushes held, applied]`` (None: no backups)."""
         home = self.backup.home.get(action.key, self.rank)
         if not self._targets.get(home):
-            return False
+            return None
         held = self.primary.applied(action.key, action.accumulate, self._pusher)
         key, part = action.key
-        forwards.setdefault(home, []).append(([key, part, action.accumulate, held], action))
-        return True
+        entry = [key, part, action.accumulate, held, True]
+        forwards.setdefault(home, []).append((entry, action))
+        self._unsent.add(action.key)
+        return entry
 
     def _send_forwards(self, forwards: dict) -> None:
         for home, items in forwards.items():
-            body = {"home": home, "entries": [entry for entry, _ in items]}
+            body = {"home": home, "entries": [entry for entry, _ in items], "epoch": self.epoch}
             arrays = [action.value for _, action in items]
             keys = [action.key for _, action in items]
-            for backup in self._targets[home]:
-                msg = Message("replica", self.primary.forwarded(backup), self.name, body, arrays)
+            for backup in list(self._targets[home]):
+                seq = self.primary.forwarded(backup, keys)
+                msg = Message("replica", seq, self.name, body, arrays)
                 if self._peer_ready.get(backup):
                     self._send_peer(backup, msg, keys)
                 else:  # its link is not proved yet: a copy waits (the values move on)
                     msg.arrays = [a.copy() for a in arrays]
                     self._backlog[backup].append(msg)
+        self._unsent.clear()
 
     def _send_peer(self, backup: int, msg: Message, keys=None) -> None:
         try:
             sent = transport.send(self._peers[backup], msg, track=keys is not None)
         except zmq.ZMQError as exc:
-            log.error("%s: cannot forward to server %d (%s)", self.name, backup, exc.strerror)
-            for request in self.primary.drop(backup):
-                self._reply(request)
+            self._lose_backup(backup, f"a forward to it could not be sent ({exc.strerror})")
             return
         for s in sent:  # the stored arrays it reads are not written until it is sent
             busy = self.sending.setdefault(keys[s.array], [])
@@ -849,18 +857,9 @@ class Server:
             log.error("%s: bad reply from server %d: %s", self.name, backup, exc)
             return
         if msg.kind == "error":  # its copy can no longer be trusted: it is no replica now
-            log.error(
-                "%s: server %d refused a forward (%s); its copies of this server's parts "
-                "are no longer kept in step",
-                self.name,
-                backup,
-                msg.body.get("message"),
-            )
-            released = self.primary.drop(backup)
-            for targets in self._targets.values():
-                if backup in targets:
-                    targets.remove(backup)
-        elif msg.id == self._HELLO:
+            self._lose_backup(backup, f"it refused a forward ({msg.body.get('message')})")
+            return
+        if msg.id == self._HELLO:
             body = auth.answer(msg.body, self.cred, self.rank, "server") or {"proof": ""}
             transport.send(sock, Message("auth", self._AUTH, self.name, body))
             return
@@ -872,6 +871,17 @@ class Server:
         else:
             released = self.primary.ack(backup, msg.id)
         for request in released:
+            self._reply(request)
+
+    def _lose_backup(self, backup: int, why: str) -> None:
+        """A backup whose copies are no longer kept in step: nobody waits for it, and the
+        scheduler fails it over (it is fenced), so its stale copies never answer."""
+        log.error("%s: server %d is no replica any more: %s", self.name, backup, why)
+        for targets in self._targets.values():
+            if backup in targets:
+                targets.remove(backup)
+        self.control.send("replica_lost", {"server": backup, "reason": why})
+        for request in self.primary.drop(backup):
             self._reply(request)
 
     def _handle_peer(self, identity: bytes, frame, msg: Message) -> None:
@@ -903,11 +913,18 @@ class Server:
                 self._peer_proved[peer] = connection
                 self._send(identity, Message("ack", msg.id, self.name))
             elif msg.kind == "replica":
+                epoch = msg.body.get("epoch")
+                if type(epoch) is int and epoch > self.epoch:  # a failover not heard of yet
+                    self._deferred.append((identity, [frame]))
+                    return
                 self._on_replica(identity, peer, msg)
             else:
                 raise ValueError(f"unexpected {msg.kind!r} on a replication link")
         except (ValueError, TypeError, KeyError) as exc:
             self._error(identity, msg, f"{msg.kind} from server {peer} refused: {exc}")
+        except Exception as exc:  # an apply that raised: this copy is behind, say so
+            log.exception("%s: %s from server %d failed", self.name, msg.kind, peer)
+            self._error(identity, msg, f"{msg.kind} failed: {type(exc).__name__}: {exc}")
 
     def _on_replica(self, identity: bytes, peer: int, msg: Message) -> None:
         """A primary's applied rounds: apply the same inputs, in order, then acknowledge.
@@ -919,7 +936,12 @@ class Server:
             raise ValueError("replica: one array per entry")
         checked = []
         for entry, value in zip(entries, msg.arrays, strict=True):
-            if not isinstance(entry, list) or len(entry) != 4 or type(entry[2]) is not bool:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 5
+                or type(entry[2]) is not bool
+                or type(entry[4]) is not bool
+            ):
                 raise ValueError(f"replica: bad entry {entry!r:.80}")
             key = (entry[0], entry[1])
             held = self.backup.passive.get(key)
@@ -934,9 +956,10 @@ class Server:
                 for p in pushes
             ):
                 raise ValueError(f"replica: bad pushes {pushes!r:.80}")
-            checked.append((key, value.reshape(-1), entry[2], pushes))
-        for key, value, accumulate, pushes in checked:
-            self._apply(Apply(key, value, accumulate))
+            checked.append((key, value.reshape(-1), entry[2], pushes, entry[4]))
+        for key, value, accumulate, pushes, applied in checked:
+            if applied:  # else the primary could not apply it either: counted, not applied
+                self._apply(Apply(key, value, accumulate))
             self.backup.received(key, accumulate, pushes)
         self._send(identity, Message("ack", msg.id, self.name))
 
@@ -1183,6 +1206,11 @@ class Server:
         kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
         # the rows are gathered copies, never written again: no trackers
         self._send(req.identity, Message(kind, msg.id, self.name, body, arrays), track=False)
+
+
+def _keys_of(request: Request) -> list:
+    """The keys a request names (what its answer shows or confirms)."""
+    return [tuple(k) for k in request.msg.body.get("keys") or ()]
 
 
 def _members_of(raw, rank: int, num_workers: int) -> tuple | None:

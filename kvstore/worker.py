@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Iterator
 
 import msgpack
 import numpy as np
@@ -55,6 +56,9 @@ _MUTATING = frozenset(
     | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 )
 _PULLING = frozenset({"pull", "pushpull"})
+# Requests every live replica of a part gets its own copy of (or that prove one connection):
+# after a failover, one to a dead server is not sent again.
+_FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth"})
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -312,14 +316,16 @@ class DistStore(KVStore):
                 "is full (is it alive?)"
             ) from None
 
-    def _commit(self, what: str, outgoing: list[Outgoing], collector=None) -> tuple[list, list]:
-        """Carry out a plan: write the shared segments, send every message, then keep the
-        compression residuals. A failure after the first send leaves the servers' rounds
-        apart: the store is failed with its cause. Returns (request ids, trackers)."""
+    def _commit(self, what: str, outgoing: Iterable[Outgoing], collector=None) -> tuple[list, list]:
+        """Carry out a plan: write the shared segments, send every message as the plan gives
+        it (a compressed push is quantised message by message, so one is on the wire while
+        the next is quantised), then keep the compression residuals. A failure after the
+        first send leaves the servers' rounds apart: the store is failed with its cause.
+        Returns (request ids, trackers)."""
         self._check_alive()
-        ids, trackers = [], []
+        ids, trackers, kept = [], [], []
         sent_any = False
-        kept, moved = self._chains is not None, self._dead
+        retain, moved = self._chains is not None, self._dead  # with replicas: keep messages
         try:
             for out in outgoing:
                 msg_id = next(self._ids)
@@ -332,7 +338,7 @@ class DistStore(KVStore):
                 pulled = self._pull_regions(out) if out.kind in _PULLING and here else ()
                 if pulled:
                     body["shm_pull"] = pulled
-                if kept:
+                if retain:
                     if self._epoch:
                         body["epoch"] = self._epoch
                     if out.kind == "push":  # push returns before its answer: keep a copy
@@ -347,7 +353,7 @@ class DistStore(KVStore):
                     collector,
                     None,
                     segments,
-                    msg if kept else None,
+                    msg if retain else None,
                     self._route[out.server],
                 )
                 for i, _, _ in used:
@@ -357,6 +363,7 @@ class DistStore(KVStore):
                 if collector is not None:
                     collector.expect(msg_id, out.keys)
                 ids.append(msg_id)
+                kept.extend(out.residuals)
         except BaseException as exc:
             if collector is not None:
                 collector.cancel()
@@ -367,8 +374,7 @@ class DistStore(KVStore):
                     PeerLostError,
                 )
             raise
-        for out in outgoing:
-            self._residuals.update(out.residuals)
+        self._residuals.update(kept)
         return ids, trackers
 
     def _to_segments(self, out: Outgoing, arrays: list) -> list:
@@ -503,7 +509,14 @@ class DistStore(KVStore):
             sock = self._sockets[server]
             self._poller.unregister(sock)
             sock.close(linger=0)
-        again = [r for i, r in sorted(self._requests.items()) if r.sent_to in newly]
+        again = []
+        for msg_id, request in sorted(self._requests.items()):
+            if request.sent_to not in newly:
+                continue
+            if request.kind in _FANNED_OUT:  # every live replica has its own copy of it
+                del self._requests[msg_id]
+            else:
+                again.append(request)
         log.warning(
             "%s: %s; failed over to its replicas (epoch %d): re-sending %d unanswered request(s)",
             what,
@@ -645,7 +658,7 @@ class DistStore(KVStore):
         if members is None:
             self.barrier()
 
-    def _push_plan(self, kind: str, items) -> list[Outgoing]:
+    def _push_plan(self, kind: str, items) -> Iterator[Outgoing]:
         return self._planner.push(
             kind,
             [item.key for item in items],
@@ -870,11 +883,13 @@ class DistStore(KVStore):
                 f"{fname} holds the state of {len(blobs)} servers; this job has "
                 f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER"
             )
-        ids = [
+        ids = [  # with replicas, to every live server keeping a copy of server s's parts
             self._send(
-                s, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
+                r, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
             )
             for s, b in enumerate(blobs)
+            for r in (self._chains[s] if self._chains else [s])
+            if r not in self._dead
         ]
         for msg_id in ids:
             self._requests[msg_id].kind = "set_states"  # a partial load fails the store

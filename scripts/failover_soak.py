@@ -55,8 +55,10 @@ def run(steps: int, opt: str, fault: str | None, seed: int, heartbeat: float) ->
                 struck = time.time()
                 if fault == "freeze":
                     poll_until(  # or the job ended first: it was frozen in the last round
-                        lambda: "failover" in cluster.output("scheduler")
-                        or all(p.poll() is not None for p in procs),
+                        lambda: (
+                            "failover" in cluster.output("scheduler")
+                            or all(p.poll() is not None for p in procs)
+                        ),
                         60,
                     )
                     proc.send_signal(signal.SIGCONT)

@@ -65,9 +65,14 @@ def previous_quantize(kind, t, residual, grad):
 
 
 def typed_ref_2bit(residual, grad, t, dtype):
-    """``ref_2bit`` in the arithmetic of ``dtype`` (each sum and difference rounded to it)."""
+    """``ref_2bit`` in the arithmetic of ``dtype`` (each sum and difference rounded to it);
+    ``residual`` None: the first push, whose residual is the gradient itself (a copy, so a
+    -0.0 stays -0.0, as in the codec)."""
     t = dtype(t)
-    residual = [dtype(r) + dtype(g) for r, g in zip(residual, grad, strict=True)]
+    if residual is None:
+        residual = [dtype(g) for g in grad]
+    else:
+        residual = [dtype(r) + dtype(g) for r, g in zip(residual, grad, strict=True)]
     codes, sent = [], []
     for i, r in enumerate(residual):
         code = 1 if r >= t else 2 if r <= -t else 0
@@ -86,11 +91,32 @@ def typed_ref_2bit(residual, grad, t, dtype):
 THRESHOLDS = [0.5, 0.25, 1.0, 0.1]
 
 
+def assert_same_bits(got, want):
+    """Equal to the bit: dtype, shape, and every element's bits (-0.0 is not 0.0)."""
+    want = np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+    unsigned = f"u{got.dtype.itemsize}"
+    np.testing.assert_array_equal(got.view(unsigned), want.view(unsigned))
+
+
+def poison_scratch():
+    """Fill every scratch buffer the codec keeps with garbage: no call may depend on what
+    an earlier one left there."""
+    for buf in getattr(compression._scratch, "buffers", {}).values():
+        if buf.dtype == bool:
+            buf.fill(True)
+        elif buf.dtype.kind == "f":
+            buf.fill(np.nan)
+        else:
+            buf.fill(np.iinfo(buf.dtype).max)
+
+
 @st.composite
 def pushes(draw):
-    """A dtype, a shape (any size, most not a multiple of 4 or 8), a few gradients of it
+    """A dtype, a shape (any size, most not a multiple of 4, 8 or 16), a few gradients of it
     (with values on the thresholds and signed zeros among them), a threshold, and the piece
-    length the quantiser works in (small ones make small arrays span several pieces)."""
+    length the quantiser works in (small ones make small arrays span several pieces; 24 is
+    no power of two; the last is the default)."""
     dtype = draw(st.sampled_from([np.float16, np.float32, np.float64]))
     shape = draw(array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=11))
     width = np.dtype(dtype).itemsize * 8
@@ -99,31 +125,44 @@ def pushes(draw):
         st.sampled_from([0.0, -0.0, *THRESHOLDS, *(-t for t in THRESHOLDS)]),
     )
     grads = draw(st.lists(arrays(dtype, shape, elements=elements), min_size=1, max_size=4))
-    return grads, draw(st.sampled_from(THRESHOLDS)), draw(st.sampled_from([8, 16, 1 << 18]))
+    piece = draw(st.sampled_from([8, 16, 24, compression._PIECE]))
+    return grads, draw(st.sampled_from(THRESHOLDS)), piece
+
+
+def codec_setting(piece):
+    """The piece length, and scratch buffers never kept when the piece is 16 (each call
+    allocates its own), kept otherwise."""
+    keep = 0 if piece == 16 else compression._KEEP_SCRATCH
+    return mock.patch.multiple(compression, _PIECE=piece, _KEEP_SCRATCH=keep)
 
 
 @settings(max_examples=200, deadline=None)
 @given(pushes())
 def test_2bit_property_matches_references(case):
+    """To the bit against the plain model (codes, values sent, residual carried over from
+    push to push), and in value against the whole-array codec of 52e999a (which turned a
+    residual's -0.0 into 0.0)."""
     grads, t, piece = case
     codec = Compression.from_params({"type": "2bit", "threshold": t})
     dtype = grads[0].dtype.type
-    residual, previous, typed = None, None, [0.0] * grads[0].size
-    with mock.patch.object(compression, "_PIECE", piece):
+    residual = previous = typed = None
+    with codec_setting(piece):
         for grad in grads:
+            poison_scratch()
             packed, header, residual = codec.quantize(residual, grad)
             old_packed, old_header, old_sent, previous = previous_quantize(
                 "2bit", t, previous, grad
             )
             want_packed, want_sent, typed = typed_ref_2bit(typed, grad.reshape(-1), t, dtype)
+            poison_scratch()
             sent = codec.decode(packed, header, grad.size, dtype)
             assert packed.tobytes() == old_packed.tobytes() == want_packed
+            assert len(want_packed) == packed_size("2bit", grad.size)
             assert header == old_header and packed.dtype == np.uint8
-            assert sent.dtype == dtype and sent.shape == (grad.size,)
+            assert_same_bits(sent, np.array(want_sent, dtype))
+            assert_same_bits(residual, np.array(typed, dtype))
             np.testing.assert_array_equal(sent, old_sent)
-            np.testing.assert_array_equal(sent, np.array(want_sent, dtype))
             np.testing.assert_array_equal(residual, previous)
-            np.testing.assert_array_equal(residual, np.array(typed, dtype))
 
 
 @settings(max_examples=200, deadline=None)
@@ -134,17 +173,20 @@ def test_1bit_property_matches_references(case):
     dtype = grads[0].dtype.type
     rtol = {np.float16: 1e-2, np.float32: 1e-4, np.float64: 1e-9}[dtype]
     residual, previous, typed = None, None, [dtype(0)] * grads[0].size
-    with mock.patch.object(compression, "_PIECE", piece):
+    with codec_setting(piece):
         for grad in grads:
+            poison_scratch()
             packed, header, residual = codec.quantize(residual, grad)
             old_packed, old_header, old_sent, previous = previous_quantize(
                 "1bit", 0, previous, grad
             )
+            poison_scratch()
             sent = codec.decode(packed, header, grad.size, dtype)
             assert packed.tobytes() == old_packed.tobytes()
+            assert len(packed) == packed_size("1bit", grad.size)
             assert header == old_header  # the means, to the bit
-            np.testing.assert_array_equal(sent, old_sent)
-            np.testing.assert_array_equal(residual, previous)
+            assert_same_bits(sent, old_sent)
+            assert_same_bits(residual, previous)
             # the plain model, element by element in the dtype's arithmetic: signs, means
             # (summed in float64 here, so close, not equal), the values sent, the residual
             typed = [r + g for r, g in zip(typed, grad.reshape(-1), strict=True)]
@@ -169,7 +211,7 @@ def test_error_feedback_property(case, scheme):
     codec = Compression.from_params(params)
     dtype = grads[0].dtype.type
     residual, sent_total = None, np.zeros(grads[0].size)
-    with mock.patch.object(compression, "_PIECE", piece):
+    with codec_setting(piece):
         for grad in grads:
             packed, header, new = codec.quantize(residual, grad)
             assert residual is None or new is not residual

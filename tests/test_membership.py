@@ -67,7 +67,7 @@ class Harness:
             bytes, tuple
         ] = {}  # ("free",) ("barrier", group, id) ("join", id) ("done",)
         self.books: dict[bytes, dict] = {}
-        self.pending_acks: dict[bytes, int] = {}  # server -> worker_joined not yet acked
+        self.pending_acks: dict[bytes, list] = {}  # server -> joins (ranks) not yet acked
         self.acks = 0  # acks given for the joins under way
         self.join_order: list[int] = []  # ranks, in join order, of the joins under way
         self.exits: list[int] = []
@@ -105,10 +105,10 @@ class Harness:
         assert self.send(identity, "join") == req
 
     def ack(self, server: bytes) -> None:
-        assert self.pending_acks[server] > 0
-        self.pending_acks[server] -= 1
+        assert self.pending_acks[server]
+        rank = self.pending_acks[server].pop(0)
         self.acks += 1
-        self.send(server, "joined_ack", {"rank": 0})
+        self.send(server, "joined_ack", {"rank": rank})
 
     def finalize(self, identity: bytes) -> None:
         assert self.state[identity] == ("free",)
@@ -157,7 +157,8 @@ class Harness:
                 if kind == "worker_joined":
                     assert action.roles == ("server",)
                     for server in targets:
-                        self.pending_acks[server] = self.pending_acks.get(server, 0) + 1
+                        owed = self.pending_acks.setdefault(server, [])
+                        owed.append(action.message.body["rank"])
                 elif kind == "node_failed":
                     self.failed_nodes.append(action.message.body["node"])
             elif isinstance(action, Exit):
@@ -313,7 +314,7 @@ def play(S: int, W: int, ops: list, **cfg) -> Harness:
             if free:
                 h.join(free[who % len(free)])
         elif op == "ack":
-            owed = [s for s in servers if h.pending_acks.get(s, 0) > 0]
+            owed = [s for s in servers if h.pending_acks.get(s)]
             if owed:
                 h.ack(owed[who % len(owed)])
         elif op == "finalize":
@@ -482,8 +483,8 @@ def test_a_join_that_waits_names_the_workers_and_then_the_servers():
     sent = stalls(m.tick(3.0))
     assert {i for i, _ in sent} == {w0, w1}
     assert "waited 3s for 2 acknowledgement(s) of the joins from the servers" in sent[0][1]
-    m.receive(s, Message("joined_ack", 1, "x", {}), 3.1)
-    actions = m.receive(s, Message("joined_ack", 2, "x", {}), 3.2)
+    m.receive(s, Message("joined_ack", 1, "x", {"rank": m.nodes[w0].rank}), 3.1)
+    actions = m.receive(s, Message("joined_ack", 2, "x", {"rank": m.nodes[w1].rank}), 3.2)
     done = [a for a in actions if isinstance(a, Send) and a.message.kind == "join_done"]
     assert [(a.identity, a.message.id, a.message.body) for a in done] == [
         (w0, 3, {"last": 1}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -47,7 +49,7 @@ def test_a_push_plan_sends_every_element_once_cast_to_the_stored_dtype(call, see
     values = _values(keys, sizes, seed)
     got = {key: np.full(size, np.nan) for key, size in zip(keys, sizes, strict=True)}
     seen = {key: np.zeros(size, int) for key, size in zip(keys, sizes, strict=True)}
-    messages = planner.push(kind, keys, values, sync=True)
+    messages = list(planner.push(kind, keys, values, sync=True))
     if not piece:
         assert len({m.server for m in messages}) == len(messages)  # one message per server
     for m in messages:
@@ -66,7 +68,7 @@ def test_a_push_plan_sends_every_element_once_cast_to_the_stored_dtype(call, see
         assert (seen[key] == 1).all()
         np.testing.assert_array_equal(got[key], value.astype(dtype))
     # the same key set again: the cached route gives the same messages
-    again = planner.push(kind, keys, values, sync=True)
+    again = list(planner.push(kind, keys, values, sync=True))
     assert [(m.server, m.keys, m.shared) for m in again] == [
         (m.server, m.keys, m.shared) for m in messages
     ]
@@ -86,7 +88,7 @@ def test_compression_returns_residuals_and_keeps_none(call, kind, seed):
     for step in range(3):
         values = _values(keys, sizes, seed + step)
         before = {k: v.copy() for k, v in residuals.items()}
-        messages = planner.push("push", keys, values, True, codec, residuals)
+        messages = list(planner.push("push", keys, values, True, codec, residuals))
         assert residuals.keys() == before.keys()
         for k, v in residuals.items():
             np.testing.assert_array_equal(v, before[k])
@@ -193,3 +195,30 @@ def test_a_pull_plan_names_each_part_once_and_carries_no_arrays():
         (2, (("big", 2),)),
     ]
     assert all(m.kind == "pull" and m.arrays == () for m in messages)
+
+
+def test_a_compressed_push_quantises_each_message_one_ahead_of_its_sending():
+    """So the driver sends message k while message k+2 is quantised; the servers take turns,
+    so each link has a piece early."""
+    planner = Planner(2, 10, piece_bytes=64)
+    planner.add_key("big", 160, "f4")  # 640 bytes: 10 pieces of 16 floats, 5 per server
+    codec = Compression.from_params({"type": "2bit", "threshold": 0.5})
+    calls = []
+    real = codec.quantize
+
+    def counted(residual, grad):
+        calls.append(grad.size)
+        return real(residual, grad)
+
+    value = np.random.default_rng(1).standard_normal(160).astype(np.float32)
+    with mock.patch.object(Compression, "quantize", side_effect=counted):
+        messages = planner.push("push", ["big"], [value], True, codec, {})
+        assert calls == []
+        first = next(messages)
+        assert calls == [16, 16] and first.server == 0
+        second = next(messages)
+        assert len(calls) == 3 and second.server == 1
+        rest = [second, *messages]
+    assert len(calls) == 10
+    assert [m.server for m in [first, *rest]] == [0, 1] * 5
+    assert [m.keys[0][1] for m in [first, *rest]] == list(range(10))  # part k is piece k

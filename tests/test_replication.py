@@ -119,10 +119,10 @@ class ModelServer:
                 raise AssertionError(f"a request failed: {action.text}")
         if entries:
             for backup in self.targets:
-                seq = self.primary.forwarded(backup)
+                seq = self.primary.forwarded(backup, [KEY])
                 self.net.send(self.rank, backup, ("replica", seq, entries))
         for request in answers:
-            for ready in self.primary.answer(request):
+            for ready in self.primary.answer(request, [KEY]):
                 self.answer(ready)
 
     def answer(self, request: Req) -> None:
