@@ -232,6 +232,7 @@ class Membership:
                     "pid": node.pid,
                     "finalized": node.finalized,
                     "failed": node.failed,
+                    "left": node.left,
                     "joined": node.role == "worker" and node.rank in self.joined,
                     "in_barrier": node.identity in in_barrier,
                     "heartbeat_age": now - node.last_seen,

@@ -263,6 +263,8 @@ def job_view(
             by_rank[node["rank"]] = m
         if node["failed"] and node["role"] == "server" and node["rank"] in moved:
             state = "failed over"
+        elif node.get("left"):  # an elastic job's worker that is gone: the job goes on
+            state = "left"
         elif node["failed"]:
             state = "failed"
         elif node["finalized"]:
@@ -324,6 +326,7 @@ def job_view(
         "failure": snapshot["failure"]
         or next((n["reason"] for n in nodes if n["reason"] and n["state"] == "failed"), ""),
         "failovers": list(snapshot.get("failovers", ())),
+        "membership": list(snapshot.get("membership", ()))[-20:],
         "uptime": snapshot["uptime"],
         "num_worker": cfg.num_worker,
         "num_server": cfg.num_server,
@@ -547,6 +550,9 @@ def _main(v: dict, cfg) -> str:
     )
     if v["failure"]:
         head += f'<p class="failure" id="failure">{e(v["failure"])}</p>'
+    for m in v.get("membership", ()):
+        what = "joined" if m["why"] == "joined" else f"left ({m['why']})"
+        head += f'<p class="membership">epoch {m["epoch"]}: worker slot {m["worker"]} {e(what)}</p>'
     for f in v.get("failovers", ()):
         head += (
             f'<p class="failover">epoch {f["epoch"]}: server {f["server"]} failed over to its '
