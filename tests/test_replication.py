@@ -418,3 +418,30 @@ def test_only_a_proved_server_can_forward(tmp_path):
         assert all("OK" in cluster.output(f"worker{i}") for i in range(2)), cluster.dump()
     finally:
         cluster.stop()
+
+
+def test_resuming_from_saved_optimizer_state_survives_a_failover(tmp_path):
+    """load_optimizer_states reaches every replica of a part: a job resumed from a checkpoint
+    (weights and SGD momentum) ends with the same bits whether or not a server is killed
+    after the load."""
+    W, S = 2, 3
+    saved = tmp_path / "ckpt"
+    saved.mkdir()
+
+    def job(name, phase, kill):
+        (tmp_path / name).mkdir()
+        cluster = Cluster(S, W, tmp_path / name, KVSTORE_REPLICAS=2, KVSTORE_BIGARRAY_BOUND=1000)
+        try:
+            procs = cluster.start_workers("replicated_resume.py", [phase, saved, 12])
+            if kill:
+                cluster.wait_for_output("worker0", "step 2 at", 60)
+                cluster.procs["server1"].send_signal(signal.SIGKILL)
+            assert cluster.wait(procs, 120) == [0] * W, cluster.dump()
+            return _hashes(cluster, W)
+        finally:
+            cluster.stop()
+
+    job("save", "save", False)
+    clean = job("clean", "resume", False)
+    failed = job("failed", "resume", True)
+    assert len(clean) == 1 and None not in clean and failed == clean, (clean, failed)
