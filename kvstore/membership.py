@@ -848,7 +848,9 @@ class Membership:
         if self.queued:  # a newcomer waiting for a slot takes this one
             identity, msg, _ = self.queued.pop(0)
             return actions + self._register_elastic(identity, msg, now, len(present))
-        if not present:
+        if not present and why != "it finished":  # replacements may come: wait for them
+            self.short_since = now if self.short_since is None else self.short_since
+        elif not present:
             actions.append(Log(logging.INFO, "every worker has finished; shutting servers down"))
             actions.append(Broadcast(Message("shutdown", 0, "scheduler"), roles=("server",)))
             actions.append(Exit(EXIT_FAILED if self.failure else 0))

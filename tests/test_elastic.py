@@ -167,3 +167,39 @@ def test_a_worker_killed_is_replaced_and_the_others_never_restart(tmp_path):
     # the newcomer's pushes count: rounds of 3 after the kill
     after = out.split("[worker 1] late")[1]
     assert re.search(r"\[worker 0\] step \d+ value 3 workers 3", after), out
+
+
+def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
+    """An elastic job's worker in slot 1 fails at once every time it starts: it is started
+    again twice, then its slot is set aside; the others finish their steps, and the job
+    ends with the failing worker's status and a line that says why."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, time\n"
+        "import numpy as np\n"
+        "import kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(1, np.float32))\n"
+        "if kv._rank == 1:\n"
+        "    sys.exit(3)\n"
+        "out = np.zeros(1, np.float32)\n"
+        "for step in range(60):\n"
+        "    kv.pushpull('w', np.ones(1, np.float32), out=out)\n"
+        "    time.sleep(0.1)\n"
+        "print('finished', kv.num_workers, flush=True)\n"
+    )
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "1:2", "-s", "1"]
+        + [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out
+    assert out.count("launch: started worker 1 ") == 3, out
+    assert "its slot is set aside" in out and "set aside)" in out, out
+    assert "[worker 0] finished 1" in out, out

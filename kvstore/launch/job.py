@@ -101,11 +101,18 @@ class Supervisor:
         grace_end = None  # set once every worker has exited 0
         restarts: list = []  # elastic jobs: (when, worker) to start again
         failures: dict = {}  # elastic jobs: worker name -> when it failed, recently
+        aside: list[Proc] = []  # elastic jobs: workers whose slot failed too often
         try:
             while len(ended) < len(self.procs) or restarts:
                 now = time.monotonic()
                 for when, old in [r for r in restarts if r[0] <= now]:
                     restarts.remove((when, old))
+                    others = [w for w in self._latest_workers() if w is not old]
+                    if others and all(w.popen.poll() == 0 for w in others):
+                        self.say(
+                            f"the other workers have finished: {old.name} is not started again"
+                        )
+                        continue
                     self.start(dataclasses.replace(old, popen=None, last_lines=[]))
                 if deadline is not None and now > deadline:
                     self.say(f"job still running after {timeout:g}s; stopping it")
@@ -113,7 +120,7 @@ class Supervisor:
                     return 124
                 if grace_end is not None and now > grace_end:
                     self._stop_after_workers([p for p in self.procs if p not in ended])
-                    return 0
+                    return self._aside_status(aside)
                 try:
                     proc = self.exits.get(timeout=0.1)
                 except queue.Empty:
@@ -127,6 +134,7 @@ class Supervisor:
                             f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}, "
                             f"its third failure in 60s: its slot is set aside (the others go on)"
                         )
+                        aside.append(proc)
                     else:
                         self.say(
                             f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; "
@@ -156,13 +164,21 @@ class Supervisor:
                 ):
                     grace_end = time.monotonic() + self.after_workers_grace
             self._drain()
-            return 0
+            return self._aside_status(aside)
         except KeyboardInterrupt:
             self.say("interrupted; stopping every process")
             self.stop()
             return 130
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _aside_status(self, aside: list[Proc]) -> int:
+        """0, or (an elastic job whose worker slots were set aside) the status of the first."""
+        if not aside:
+            return 0
+        names = ", ".join(p.name for p in aside)
+        self.say(f"the others finished, but {names} failed three times in 60s (set aside)")
+        return _status(aside[0].popen.returncode)
 
     def _latest_workers(self) -> list[Proc]:
         """Each worker's latest process (an elastic job starts a failed one again)."""
