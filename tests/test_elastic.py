@@ -203,3 +203,21 @@ def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
     assert out.count("launch: started worker 1 ") == 3, out
     assert "its slot is set aside" in out and "set aside)" in out, out
     assert "[worker 0] finished 1" in out, out
+
+
+def test_soak_short_form(tmp_path):
+    """scripts/elastic_soak.py's short form: 6 random changes (joins, graceful leaves, kill
+    -9) one or two seconds apart, W between 2 and 6: no hang, every round's sum exactly the
+    pushes of its members, no survivor restarted, every newcomer in its first round."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "elastic_soak.py"), "--changes", "6"]
+        + ["--every", "1,2", "--hang", "20"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "6 changes in" in out and " 0 problem(s)" in out, out
