@@ -122,11 +122,11 @@ def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_go
     assert book.kind == "book" and book.body["rank"] == 0  # the waiting one takes slot 0
 
 
-def _launch_elastic(tmp_path, kill_after: str) -> str:
+def _launch_elastic(tmp_path, kill_after: str, launcher=()) -> str:
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
     script = ROOT / "tests" / "workers" / "elastic_counter.py"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1"]
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1", *launcher]
         + [sys.executable, str(script), "50", "0.05"],
         cwd=tmp_path,
         env=env,
@@ -221,3 +221,17 @@ def test_soak_short_form(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "6 changes in" in out and " 0 problem(s)" in out, out
+
+
+def test_over_ssh_a_worker_killed_is_replaced(sshd, tmp_path):
+    """The same through the ssh launcher (a private sshd on 127.0.0.1 and 127.0.0.2): the
+    worker's ssh is killed, its remote process ends with it, and a new one takes the slot."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    options = ["--launcher", "ssh", "-H", str(hosts), *sshd.ssh_options()]
+    out = _launch_elastic(tmp_path, "[worker 0] step 10 ", options)
+    assert "worker 1 on 127.0.0." in out and "the others go on" in out, out
+    assert "[worker 1] late: slot 1" in out, out
+    for rank in (0, 2):
+        steps = [int(s) for s in re.findall(rf"\[worker {rank}\] step (\d+) ", out)]
+        assert steps == list(range(50)), (rank, steps)

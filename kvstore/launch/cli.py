@@ -305,6 +305,8 @@ def main(argv=None) -> int:
     sup = Supervisor()
     try:
         spec = make_spec(args, parser)
+        sup.elastic = bool(int(spec.env.get("KVSTORE_MIN_WORKERS") or 0))
+        sup.replicated = int(spec.env.get("KVSTORE_REPLICAS") or 1) > 1
         if args.launcher is None and spec.launcher == "ssh":
             sup.say(
                 "-H given without --launcher: starting the processes through ssh "

@@ -47,6 +47,9 @@ class Supervisor:
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
+        # the job's settings (an ssh process's environment lives in its remote command):
+        # a worker's failure does not end an elastic job, nor a server's a replicated one
+        self.elastic = self.replicated = False
         self.procs: list[Proc] = []
         self.lock = threading.Lock()
         self.readers: list[threading.Thread] = []
@@ -126,7 +129,7 @@ class Supervisor:
                 except queue.Empty:
                     continue
                 ended.append(proc)
-                if proc.popen.returncode and _elastic(proc):
+                if proc.popen.returncode and self.elastic and proc.role == "worker":
                     recent = [t for t in failures.get(proc.name, []) if t > now - 60] + [now]
                     failures[proc.name] = recent
                     if len(recent) >= 3:
@@ -142,7 +145,7 @@ class Supervisor:
                         )
                         restarts.append((now + 1.0, proc))
                     continue
-                if proc.popen.returncode and _replicated(proc):
+                if proc.popen.returncode and self.replicated and proc.role == "server":
                     # its replicas answer for its keys; the scheduler ends the job if not
                     self.say(
                         f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; "
@@ -245,22 +248,6 @@ class Supervisor:
     def _drain(self) -> None:
         for reader in self.readers:
             reader.join(2)
-
-
-def _elastic(proc: Proc) -> bool:
-    """A worker of an elastic job: its failure alone does not end the job."""
-    try:
-        return proc.role == "worker" and int((proc.env or {}).get("KVSTORE_MIN_WORKERS") or 0) > 0
-    except ValueError:
-        return False
-
-
-def _replicated(proc: Proc) -> bool:
-    """A server of a job with replicas: its death alone does not end the job."""
-    try:
-        return proc.role == "server" and int((proc.env or {}).get("KVSTORE_REPLICAS") or 1) > 1
-    except ValueError:
-        return False
 
 
 def _raise_interrupt(signum, frame):
