@@ -235,3 +235,50 @@ def test_over_ssh_a_worker_killed_is_replaced(sshd, tmp_path):
     for rank in (0, 2):
         steps = [int(s) for s in re.findall(rf"\[worker {rank}\] step (\d+) ", out)]
         assert steps == list(range(50)), (rank, steps)
+
+
+def test_host_discovery_script_gains_and_loses_a_host(sshd, tmp_path):
+    """horovodrun's --host-discovery-script through the private sshd: the script prints the
+    lines of a file the test rewrites. 127.0.0.1 alone (one slot), then 127.0.0.2 with two
+    more (the launcher starts workers 1 and 2 there; they join), then 127.0.0.2 gone (the
+    launcher stops them; worker 0 trains on alone and the job ends 0)."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("127.0.0.1:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    counter = ROOT / "tests" / "workers" / "elastic_counter.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "1:3", "-s", "1"]
+        + ["--host-discovery-script", str(script), *sshd.ssh_options()]
+        + [sys.executable, str(counter), "300", "0.05"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    stage = 0
+    try:
+        for line in proc.stdout:  # bounded: the job ends by itself (300 steps)
+            seen.append(line)
+            if stage == 0 and "[worker 0] step 5 " in line:
+                listed.write_text("127.0.0.1:1\n127.0.0.2:2\n")
+                stage = 1
+            elif stage == 1 and re.search(r"\[worker 0\] step \d+ value 3 ", line):
+                listed.write_text("127.0.0.1:1\n")
+                stage = 2
+        assert proc.wait(timeout=120) == 0, "".join(seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = "".join(seen)
+    assert stage == 2, out
+    assert "started worker 1 on 127.0.0.2" in out and "started worker 2 on 127.0.0.2" in out
+    assert "host 127.0.0.2 left: stopping worker 1" in out, out
+    assert re.search(r"\[worker 0\] step 29\d value 1 workers 1", out), out
+    steps = [int(s) for s in re.findall(r"\[worker 0\] step (\d+) ", out)]
+    assert steps == list(range(300)), steps

@@ -13,7 +13,7 @@ from .. import timeline
 from ..config import interface_address
 from ..status import page_token
 from . import kubernetes, local, mpi, sge, slurm, ssh, yarn
-from .hostfile import parse_hostfile
+from .hostfile import discover, parse_hostfile
 from .job import Proc, Supervisor
 from .spec import ROLE_ENV, SECRETS, JobSpec
 
@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="number of server processes (default: the number of workers; with --colocate, "
         "the number of hosts)",
+    )
+    p.add_argument(
+        "--host-discovery-script",
+        metavar="SCRIPT",
+        help="an elastic job's hosts (horovodrun's option; needs -n MIN:MAX): a script that "
+        "prints 'host' or 'host:slots' lines, run every 2s; workers are started over ssh on "
+        "hosts that come, in free slots, and stopped on hosts that leave (a host whose "
+        "workers fail three times in 60s gets none for 60s)",
     )
     p.add_argument(
         "--replicas",
@@ -190,6 +198,7 @@ def make_spec(args, parser) -> JobSpec:
     if command[0].startswith("-"):
         parser.error(f"unrecognized option {command[0]!r}")
     least = None
+    args.num_workers_range = args.num_workers
     if isinstance(args.num_workers, tuple):
         least, args.num_workers = args.num_workers
     num_servers = args.num_workers if args.num_servers is None else args.num_servers
@@ -199,10 +208,18 @@ def make_spec(args, parser) -> JobSpec:
         parser.error("-n/--num-workers and -s/--num-servers must be >= 1")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port} is not a port number")
-    launcher = args.launcher or ("ssh" if args.hostfile else "local")
+    launcher = args.launcher or ("ssh" if args.hostfile or args.host_discovery_script else "local")
     hosts = None
     if args.hostfile:
         hosts = parse_hostfile(args.hostfile)
+    if args.host_discovery_script:
+        if not isinstance(args.num_workers_range, tuple):
+            raise ValueError("--host-discovery-script is for an elastic job: give -n MIN:MAX")
+        if launcher != "ssh" or args.hostfile:
+            raise ValueError("--host-discovery-script starts workers over ssh, without -H")
+        hosts = discover(args.host_discovery_script)
+        if not hosts:
+            raise ValueError(f"{args.host_discovery_script} printed no host to start on")
     elif launcher == "ssh":
         raise ValueError("the ssh launcher needs a hostfile: -H FILE with one host per line")
     env = {"DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(num_servers)}
@@ -322,7 +339,19 @@ def main(argv=None) -> int:
                 sys.stdout.write(text)
                 return 0
             return kubernetes.apply(text)
-        procs = backend.processes(spec)
+        if args.host_discovery_script:  # servers on the hosts found; workers as they come
+            procs = [
+                ssh.role_proc(spec, "server", i, spec.hosts[i % len(spec.hosts)])
+                for i in range(spec.num_servers)
+            ]
+            script = args.host_discovery_script
+            sup.discovery = (
+                lambda: discover(script),
+                lambda rank, host: ssh.role_proc(spec, "worker", rank, host),
+                spec.num_workers,
+            )
+        else:
+            procs = backend.processes(spec)
         if spec.launcher == "ssh" and spec.sync_dst_dir:
             ssh.sync_dir(spec, sup.say)
     except (ValueError, RuntimeError) as exc:

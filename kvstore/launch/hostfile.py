@@ -57,6 +57,37 @@ def parse_hostfile(path: str) -> list[Host]:
     return hosts
 
 
+def discover(script: str, timeout: float = 10.0) -> list[Host]:
+    """The hosts a ``--host-discovery-script`` prints now (horovodrun's format: one
+    ``host`` or ``host:slots`` a line), or a ValueError that says what went wrong."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [script], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"host discovery script {script!r}: {exc}") from None
+    if done.returncode:
+        raise ValueError(
+            f"host discovery script {script!r} exited with status {done.returncode}: "
+            f"{done.stderr.strip()[-200:]}"
+        )
+    hosts = []
+    for raw in done.stdout.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, slots = line.rpartition(":") if ":" in line else (line, "", "1")
+        if not name or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(
+                f"host discovery script {script!r} printed {raw.strip()!r}: expected "
+                "'host' or 'host:slots'"
+            )
+        hosts.append(Host(name, None, int(slots)))
+    return hosts
+
+
 def place(hosts: list[Host], count: int) -> list[Host]:
     """The host of each of ``count`` processes, round-robin with slots respected."""
     order = []

@@ -37,6 +37,7 @@ class Proc:
     stdin: bytes = b""  # written to the process's stdin first (ssh: the job secret)
     popen: subprocess.Popen | None = field(default=None, repr=False)
     last_lines: list = field(default_factory=list, repr=False)
+    retired: bool = False  # stopped by the launcher (its host left the discovered hosts)
 
 
 class Supervisor:
@@ -50,6 +51,12 @@ class Supervisor:
         # the job's settings (an ssh process's environment lives in its remote command):
         # a worker's failure does not end an elastic job, nor a server's a replicated one
         self.elastic = self.replicated = False
+        # --host-discovery-script: (discover() -> hosts, make(rank, host) -> Proc, MAX workers)
+        self.discovery = None
+        self._hosts: list = []
+        self._cooling: dict = {}  # host name -> until when it gets no new worker
+        self._host_failures: dict = {}  # host name -> when its workers failed, recently
+        self._next_look = 0.0
         self.procs: list[Proc] = []
         self.lock = threading.Lock()
         self.readers: list[threading.Thread] = []
@@ -108,6 +115,9 @@ class Supervisor:
         try:
             while len(ended) < len(self.procs) or restarts:
                 now = time.monotonic()
+                if self.discovery is not None and now >= self._next_look:
+                    self._next_look = now + 2.0
+                    self._follow_hosts(now)
                 for when, old in [r for r in restarts if r[0] <= now]:
                     restarts.remove((when, old))
                     others = [w for w in self._latest_workers() if w is not old]
@@ -129,6 +139,16 @@ class Supervisor:
                 except queue.Empty:
                     continue
                 ended.append(proc)
+                if proc.retired:
+                    continue
+                if (
+                    proc.popen.returncode
+                    and self.elastic
+                    and self.discovery is not None
+                    and proc.role == "worker"
+                ):
+                    self._host_failed(proc, now)  # its slot is filled at the next look
+                    continue
                 if proc.popen.returncode and self.elastic and proc.role == "worker":
                     recent = [t for t in failures.get(proc.name, []) if t > now - 60] + [now]
                     failures[proc.name] = recent
@@ -174,6 +194,53 @@ class Supervisor:
             return 130
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    # ---- --host-discovery-script (elastic jobs over ssh)
+    def _follow_hosts(self, now: float) -> None:
+        """Look at the discovered hosts: stop the workers of hosts that left, start workers
+        in free slots on hosts with room (not those cooling down after failures)."""
+        discover, make, slots = self.discovery
+        try:
+            hosts = discover()
+        except ValueError as exc:
+            self.say(f"{exc}; keeping the hosts seen before")
+            return
+        names = {h.name for h in hosts}
+        if [h.name for h in hosts] != [h.name for h in self._hosts]:
+            self.say(f"hosts now: {', '.join(f'{h.name}:{h.slots}' for h in hosts) or 'none'}")
+        self._hosts = hosts
+        running = [p for p in self._latest_workers() if p.popen.poll() is None]
+        for proc in running:
+            if proc.where not in names:
+                self.say(f"host {proc.where} left: stopping {proc.name}")
+                proc.retired = True
+                _signal_group(proc.popen, signal.SIGTERM)
+        used: dict = {}
+        for proc in running:
+            if not proc.retired:
+                used[proc.where] = used.get(proc.where, 0) + 1
+        taken = {p.name for p in running if not p.retired}
+        free = [r for r in range(slots) if f"worker {r}" not in taken]
+        for host in hosts:
+            if self._cooling.get(host.name, 0) > now:
+                continue
+            while free and used.get(host.name, 0) < host.slots:
+                rank = free.pop(0)
+                used[host.name] = used.get(host.name, 0) + 1
+                self.start(make(rank, host))
+
+    def _host_failed(self, proc: Proc, now: float) -> None:
+        recent = [t for t in self._host_failures.get(proc.where, []) if t > now - 60] + [now]
+        self._host_failures[proc.where] = recent
+        note = ""
+        if len(recent) >= 3:
+            self._cooling[proc.where] = now + 60
+            self._host_failures[proc.where] = []
+            note = f"; host {proc.where} failed three times in 60s: no new worker there for 60s"
+        self.say(
+            f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; the others go on"
+            + note
+        )
 
     def _aside_status(self, aside: list[Proc]) -> int:
         """0, or (an elastic job whose worker slots were set aside) the status of the first."""

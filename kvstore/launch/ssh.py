@@ -51,13 +51,18 @@ def processes(spec: JobSpec) -> list[Proc]:
         distinct = list(dict.fromkeys(spec.hosts))
         servers = [distinct[i % len(distinct)] for i in range(spec.num_servers)]
         hosts = servers + place(spec.hosts, spec.num_workers)
-    procs = []
-    for (role, rank), host in zip(spec.roles(), hosts, strict=True):
-        env = {**spec.role_env(role, rank), "DMLC_NODE_HOST": host.name}
-        argv = [*ssh_argv(spec, host), remote_command(spec, env, spec.role_command(role))]
-        stdin = "".join(f"{env[k]}\n" for k in sorted(SECRETS & set(env))).encode()
-        procs.append(Proc(f"{role} {rank}", argv, None, host.name, role=role, stdin=stdin))
-    return procs
+    return [
+        role_proc(spec, role, rank, host)
+        for (role, rank), host in zip(spec.roles(), hosts, strict=True)
+    ]
+
+
+def role_proc(spec: JobSpec, role: str, rank: int, host) -> Proc:
+    """The ssh process that runs ``role`` ``rank`` on ``host``."""
+    env = {**spec.role_env(role, rank), "DMLC_NODE_HOST": host.name}
+    argv = [*ssh_argv(spec, host), remote_command(spec, env, spec.role_command(role))]
+    stdin = "".join(f"{env[k]}\n" for k in sorted(SECRETS & set(env))).encode()
+    return Proc(f"{role} {rank}", argv, None, host.name, role=role, stdin=stdin)
 
 
 def sync_dir(spec: JobSpec, say) -> None:
