@@ -36,8 +36,11 @@ _ids = itertools.count(1)
 
 
 class Control:
-    def __init__(self, ctx: zmq.Context, cfg: Config, role: str, port: int, cred: str = ""):
+    def __init__(
+        self, ctx: zmq.Context, cfg: Config, role: str, port: int, cred: str = "", store: str = ""
+    ):
         self.cfg, self.role, self.port, self.cred = cfg, role, port, cred
+        self.store = store  # a worker's store type: every worker of a job must use the same
         self.ctx = ctx
         # DMLC_PS_ROOT_URI may be a name that resolves only later (Kubernetes): wait for it
         self.address = f"tcp://{resolve_scheduler(cfg)}:{cfg.root_port}"
@@ -123,6 +126,7 @@ class Control:
                         "pid": os.getpid(),
                         "rank_hint": cfg.rank_hint,
                         "cred": self.cred,
+                        "store": self.store,
                     },
                 )
             )

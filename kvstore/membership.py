@@ -103,6 +103,7 @@ class Node:
     cred: str = ""  # a worker's token or a node's CURVE public key (see kvstore.auth)
     failed: str = ""  # why it failed, once it has
     left: bool = False  # an elastic job's worker that is gone (its slot may be taken again)
+    store: str = ""  # a worker's store type (kvstore.create's kind, dist_ssp's bound)
 
     @property
     def name(self) -> str:
@@ -282,6 +283,9 @@ class Membership:
                 f"arrived but all {wanted} have registered (DMLC_NUM_"
                 f"{'SERVER' if b['role'] == 'server' else 'WORKER'}={wanted})",
             )
+        wrong = self._other_store(b)
+        if wrong:
+            return _refuse(identity, msg, wrong)
         hint, cred = b.get("rank_hint", -1), b.get("cred", "")
         needed = not cfg.insecure and (b["role"] == "worker" or cfg.encrypt)
         if not isinstance(cred, str) or len(cred) > 128 or (needed and not cred):
@@ -295,6 +299,7 @@ class Membership:
             now,
             hint if type(hint) is int else -1,
             cred=cred,
+            store=b.get("store") if isinstance(b.get("store"), str) else "",
         )
         actions: list = [
             Log(
@@ -776,6 +781,21 @@ class Membership:
     # ---- elastic workers (KVSTORE_MIN_WORKERS; launch.py -n MIN:MAX)
     ELASTIC_GRACE = 1.0  # seconds the start waits, once MIN workers came, for the others
 
+    def _other_store(self, body: dict) -> str:
+        """Why a worker registering with another store type than the job's workers is
+        refused ("" when it is not): their rounds would follow other rules."""
+        store = body.get("store")
+        if body.get("role") != "worker" or not isinstance(store, str) or not store:
+            return ""
+        first = next((n.store for n in self.nodes.values() if n.role == "worker" and n.store), "")
+        if not first or first == store:
+            return ""
+        return (
+            f"scheduler: worker at {body.get('host')} pid {body.get('pid')} creates "
+            f"kvstore.create({store!r}), but this job's workers use {first!r}: every worker "
+            "must create the same store type (and dist_ssp bound)"
+        )
+
     def _present(self) -> list[int]:
         return sorted(self._workers())
 
@@ -787,6 +807,9 @@ class Membership:
         """A worker of an elastic job: before the start, as any; after it, into a free slot
         (its hint when free, else the lowest), told the book, and announced to every node."""
         b = msg.body
+        wrong = self._other_store(b)
+        if wrong:
+            return _refuse(identity, msg, wrong)
         cred = b.get("cred", "")
         if not isinstance(cred, str) or len(cred) > 128 or (not self.cfg.insecure and not cred):
             return _refuse(identity, msg, "scheduler: registration without a credential")
@@ -799,6 +822,7 @@ class Membership:
             return [Log(logging.INFO, f"worker at {b['host']} pid {b['pid']} waits for a slot")]
         hint = b.get("rank_hint", -1)
         node = Node(identity, "worker", b["host"], b["port"], b["pid"], now, cred=cred)
+        node.store = b.get("store") if isinstance(b.get("store"), str) else ""
         node.rank_hint = hint if type(hint) is int else -1
         self.nodes[identity] = node
         if not self.ready:

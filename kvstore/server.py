@@ -728,6 +728,11 @@ class Server:
         """Every worker sends its optimizer; the first installs it, the same spec again keeps
         the state it has gathered, a different one replaces it (as in MXNet)."""
         spec = msg.body["spec"]
+        if msg.body.get("keep") is True and self.optimizer_spec not in (None, spec):
+            raise ValueError(
+                f"a worker that joined the running (elastic) job sets the optimizer {spec!r:.120}, "
+                f"but the job's is {self.optimizer_spec!r:.120}: every worker must set the same"
+            )
         if spec != self.optimizer_spec:
             self.updater = opt.Updater(opt.from_spec(spec))
             self.optimizer_spec = spec

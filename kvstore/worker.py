@@ -155,7 +155,9 @@ class DistStore(KVStore):
         self._ctx = zmq.Context()
         self._cred = auth.Credential.make(cfg)
         try:
-            self._control = Control(self._ctx, cfg, "worker", 0, self._cred.public)
+            # the store type and its bound: a worker of another kind is refused at once
+            store = kind if self._staleness is None else f"{kind}:{self._staleness}"
+            self._control = Control(self._ctx, cfg, "worker", 0, self._cred.public, store)
         except KVStoreError:
             self._ctx.term()
             raise
@@ -846,7 +848,10 @@ class DistStore(KVStore):
         spec = optimizer.spec()
         self._optimizer = optimizer
         live = [s for s in range(len(self._servers)) if s not in self._dead]
-        ids = [self._send(s, "optimizer", {"spec": spec}) for s in live]
+        # a newcomer to an elastic job keeps the job's optimizer (and its state): another
+        # spec is refused, not installed in its place
+        body = {"spec": spec, "keep": True} if self._late else {"spec": spec}
+        ids = [self._send(s, "optimizer", body) for s in live]
         self._wait("set_optimizer", ids)
 
     def set_updater(self, updater) -> None:

@@ -282,3 +282,31 @@ def test_host_discovery_script_gains_and_loses_a_host(sshd, tmp_path):
     assert re.search(r"\[worker 0\] step 29\d value 1 workers 1", out), out
     steps = [int(s) for s in re.findall(r"\[worker 0\] step (\d+) ", out)]
     assert steps == list(range(300)), steps
+
+
+def test_a_worker_of_another_store_type_is_refused_at_once(tmp_path):
+    """Two workers, one creating dist_sync and one dist_async: the one that registers second
+    is refused by the scheduler with what to do, instead of rounds that follow two rules."""
+    from .cluster import Cluster
+
+    code = "import sys, kvstore\nkv = kvstore.create(sys.argv[1])\nprint('created')\n"
+    script = tmp_path / "make.py"
+    script.write_text(code)
+    cluster = Cluster(1, 2, tmp_path, KVSTORE_START_TIMEOUT=5)
+    try:
+        procs = [
+            cluster._spawn(
+                f"worker{i}",
+                [sys.executable, str(script), kind],
+                "worker",
+                dict(cluster.env, KVSTORE_RANK=str(i)),
+            )
+            for i, kind in enumerate(["dist_sync", "dist_async"])
+        ]
+        codes = cluster.wait(procs, 60)
+        said = cluster.output("worker0") + cluster.output("worker1")
+        assert all(codes), said
+        assert "must create the same store type" in said, said
+        assert "creates kvstore.create('dist_" in said, said
+    finally:
+        cluster.stop()
