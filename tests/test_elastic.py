@@ -310,3 +310,34 @@ def test_a_worker_of_another_store_type_is_refused_at_once(tmp_path):
         assert "creates kvstore.create('dist_" in said, said
     finally:
         cluster.stop()
+
+
+def test_a_newcomer_cannot_replace_the_jobs_optimizer():
+    """set_optimizer from a worker that joined a running elastic job carries ``keep``: the
+    same spec keeps the servers' state, another is refused (a fixed job's worker may still
+    replace it, as in MXNet)."""
+    from types import SimpleNamespace
+
+    from kvstore import optimizer as opt
+    from kvstore.server import Server
+
+    s = object.__new__(Server)
+    s.optimizer_spec, s.updater, s.chains, s.rank, s.name = None, None, None, 0, "server 0"
+    s.sent = []
+    s._send = lambda identity, msg, keys=None, track=True: s.sent.append(msg)
+    s.cfg = SimpleNamespace(verbose=0)
+    sgd = opt.create("sgd", learning_rate=0.1, momentum=0.9).spec()
+    adam = opt.create("adam", learning_rate=0.01).spec()
+    s._on_optimizer(b"worker-0", 0, Message("optimizer", 1, "w", {"spec": sgd}))
+    kept = s.updater
+    s._on_optimizer(b"worker-1", 1, Message("optimizer", 2, "w", {"spec": sgd, "keep": True}))
+    assert s.updater is kept
+    try:
+        s._on_optimizer(b"worker-1", 1, Message("optimizer", 3, "w", {"spec": adam, "keep": True}))
+    except ValueError as exc:
+        assert "every worker must set the same" in str(exc)
+    else:
+        raise AssertionError("a newcomer replaced the job's optimizer")
+    assert s.updater is kept
+    s._on_optimizer(b"worker-0", 0, Message("optimizer", 4, "w", {"spec": adam}))
+    assert s.updater is not kept
