@@ -219,6 +219,7 @@ class Gate:
         self._serials = itertools.count(1)  # names NULL connections: conn-1, conn-2, ...
         self.refused = 0
         self._told: set[bytes] = set()  # addresses already logged
+        self.closed: list[str] = []  # peer addresses whose connection closed (watch())
 
     def allow_job(self, cfg: Config) -> None:
         """Every holder of the job secret (the scheduler's gate)."""
@@ -281,6 +282,8 @@ class Gate:
                 self._addresses.pop(next(iter(self._addresses)))
         elif kind == zmq.EVENT_DISCONNECTED:
             address = self._addresses.pop(value, "?")
+            if address != "?" and len(self.closed) < 10_000:
+                self.closed.append(address)
             if self._failed:
                 self.refuse(address.encode(), self._failed)
                 self._failed = ""

@@ -50,6 +50,7 @@ class Control:
         self.pipe = ctx.socket(zmq.PAIR)  # belongs to the node's thread
         self.pipe.bind(endpoint)
         self._endpoint = endpoint
+        self._conn = ""  # this end's address on the scheduler connection
         self._thread = threading.Thread(
             target=self._run, name=f"kvstore-{role}-control", daemon=True
         )
@@ -137,7 +138,7 @@ class Control:
         poller.register(peer, zmq.POLLIN)
         monitor = None
         if not cfg.insecure:  # a refused key fails at once, not at the start-up deadline
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECTED)
             poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = last_turn = time.monotonic()
         registered = finalizing = refused = False
@@ -162,8 +163,13 @@ class Control:
                     registered = False  # say it once
                 events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
                 if monitor is not None and monitor in events:
-                    recv_monitor_message(monitor)
-                    if not registered and not refused:
+                    event = recv_monitor_message(monitor)
+                    if event["event"] == zmq.EVENT_CONNECTED:
+                        # this end's address, which the scheduler's gate sees as the peer's:
+                        # told with the heartbeats, so a closed connection names its node
+                        self._conn = _local_address(event["value"])
+                        next_beat = time.monotonic()  # say it now
+                    elif not registered and not refused:
                         refused = True  # ZeroMQ retries; say it once
                         peer.send_multipart(encode(_key_refused(cfg)))
                 if sock in events:
@@ -195,10 +201,11 @@ class Control:
             peer.close(linger=0)
 
     def _heartbeat_body(self) -> dict:
+        body = {"conn": self._conn} if self._conn else {}
         if self.metrics is None:
-            return {}
+            return body
         try:
-            return {"m": self.metrics.snapshot()}
+            return {**body, "m": self.metrics.snapshot()}
         except Exception:  # counters are worth less than the heartbeat itself
             log.exception("metrics snapshot failed; heartbeats go on without metrics")
             self.metrics = None
@@ -252,6 +259,16 @@ def _scheduler_failed(cfg: Config, silent: float) -> Message:
     node = f"scheduler ({cfg.root_uri}:{cfg.root_port})"
     reason = f"the scheduler sent nothing for {silent:.1f}s"
     return Message("node_failed", 0, "control", {"node": node, "reason": reason})
+
+
+def _local_address(fd: int) -> str:
+    """``host:port`` of this end of a connection ZeroMQ owns (its file descriptor)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            host, port = s.getsockname()[:2]
+            return f"{host}:{port}"
+    except OSError:
+        return ""
 
 
 _HANDSHAKE_FAILED = (

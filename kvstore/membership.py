@@ -146,6 +146,7 @@ class Membership:
         self.enough_since: float | None = None  # when MIN workers had registered (start-up)
         self.short_since: float | None = None  # when fewer than MIN were left (running)
         self.queued: list = []  # (identity, register message, since): newcomers for a full job
+        self.suspects: dict[bytes, float] = {}  # node -> when its connection closed
         self.handlers = {
             "heartbeat": self._on_heartbeat,
             "barrier": self._on_barrier,
@@ -356,6 +357,13 @@ class Membership:
         return actions
 
     # ---- heartbeats
+    def suspect(self, identity: bytes, now: float) -> None:
+        """The node's connection closed: unless it speaks again within two heartbeat
+        intervals (ZeroMQ reconnects a live one), it is dead (a frozen process keeps its
+        connection, and is found by the heartbeat timeout)."""
+        if identity in self.nodes:
+            self.suspects[identity] = now
+
     def _on_heartbeat(self, node: Node, msg: Message, now: float) -> list:
         actions: list = []
         if self.cfg.verbose:
@@ -690,11 +698,17 @@ class Membership:
             # a node that never came may come on a retry
             return [Log(logging.ERROR, text), Broadcast(failed), Exit(EXIT_PEER_LOST)]
         for node in self.nodes.values():
-            if not node.finalized and now - node.last_seen > cfg.heartbeat_timeout:
-                reason = (
-                    f"{node.name} sent no heartbeat for {now - node.last_seen:.1f}s "
-                    f"(KVSTORE_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g}s): "
-                    "it died or hangs"
+            closed = self.suspects.get(node.identity)
+            if closed is not None and node.last_seen > closed:
+                del self.suspects[node.identity]  # it came back (a new connection): fine
+                closed = None
+            gone = closed is not None and now - closed > 2 * cfg.heartbeat_interval
+            if not node.finalized and (gone or now - node.last_seen > cfg.heartbeat_timeout):
+                self.suspects.pop(node.identity, None)
+                reason = f"{node.name} sent no heartbeat for {now - node.last_seen:.1f}s " + (
+                    "and its connection closed: it died"
+                    if gone
+                    else f"(KVSTORE_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g}s): it died or hangs"
                 )
                 if self._can_fail_over(node):
                     return self._fail_over(node, reason)

@@ -142,6 +142,7 @@ class Rounds:
         self.finished_ranks: set[int] = set()
         self.joined_ranks: set[int] = set()
         self.left: set[int] = set()  # elastic jobs: slots no worker holds now
+        self._arrived = False  # a slot was taken mid-job: rounds are not counted by pushes
         self._open: set[Hashable] = set()  # keys with a sync round under way
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
@@ -306,6 +307,7 @@ class Rounds:
         """A worker takes slot ``rank`` of an elastic job: its first push of a key goes to the
         key's next round (the open one completes without it)."""
         self.left.discard(rank)
+        self._arrived = True
         for key, state in self.keys.items():
             start = state.done + (1 if key in self._open else 0)
             state.pushed[rank] = max(state.pushed[rank], start)
@@ -483,7 +485,7 @@ class Rounds:
         if state.count == 0:
             return False
         out = state.outsiders
-        if not self.joined_ranks and not self.left:  # one push per rank a round: count them
+        if not self.joined_ranks and not self.left and not self._arrived:  # count the pushes
             return state.count == self.num_workers - len(out)
         return all(
             n > state.done or rank in self.joined_ranks or rank in out or rank in self.left

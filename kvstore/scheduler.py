@@ -45,6 +45,7 @@ class Scheduler:
         self.ctx = zmq.Context()
         self.status: status.StatusServer | None = None  # started once the port is bound
         self.gate = None
+        self._peers: dict[str, bytes] = {}  # a node's connection (host:port) -> node
         if not cfg.insecure:
             self.gate = auth.Gate(self.ctx, "scheduler")
             self.gate.allow_job(cfg)
@@ -168,6 +169,7 @@ class Scheduler:
                 self.gate.handle()
             if self.gate is not None and self.gate.monitor in events:
                 self.gate.handle_event()
+                self._closed_connections()
             for _ in range(64 if self.sock in events else 0):
                 try:
                     identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -212,6 +214,16 @@ class Scheduler:
             log.info("status page stays up %gs (KVSTORE_STATUS_LINGER)", self.cfg.status_linger)
             time.sleep(self.cfg.status_linger)
 
+    def _closed_connections(self) -> None:
+        """A node's connection closed (a killed process closes its sockets): suspect it, so
+        that its silence fails it after two heartbeat intervals, not the full timeout."""
+        now = time.monotonic()
+        for address in self.gate.closed:
+            identity = self._peers.pop(address, None)
+            if identity is not None:
+                self.members.suspect(identity, now)
+        self.gate.closed.clear()
+
     def _handle(self, identity: bytes, frames) -> int | None:
         try:
             msg = decode(frames)
@@ -227,6 +239,9 @@ class Scheduler:
         try:
             if msg.kind == "heartbeat" and identity in self.members.nodes:
                 self._keep_metrics(identity, msg)
+                conn = msg.body.get("conn")
+                if isinstance(conn, str) and len(conn) < 80 and len(self._peers) < 100_000:
+                    self._peers[conn] = identity
             return self._execute(self.members.receive(identity, msg, time.monotonic()))
         except Exception as exc:  # the scheduler never dies of what a peer sent
             log.exception("scheduler: %s from %r failed", msg.kind, identity)

@@ -341,3 +341,16 @@ def test_a_newcomer_cannot_replace_the_jobs_optimizer():
     assert s.updater is kept
     s._on_optimizer(b"worker-0", 0, Message("optimizer", 4, "w", {"spec": adam}))
     assert s.updater is not kept
+
+
+def test_regression_a_newcomer_mid_round_in_arrival_order():
+    """Found by a helper's run of the property test: W=3, arrival order; worker 1 pushes,
+    slot 2 leaves and is taken again while the round is open, worker 0 pushes: the round
+    completes (the newcomer's first push goes to the next round)."""
+    r = Rounds(3, 0, reproducible=False)
+    r.add_key("k")
+    r.push(object(), 1, [("k", np.ones(1, np.float32))], True, 0.0)
+    r.leave(2, 0.0)
+    r.arrive(2)
+    actions = r.push(object(), 0, [("k", np.ones(1, np.float32))], True, 0.0)
+    assert [float(a.value[0]) for a in actions if isinstance(a, Apply)] == [2.0]

@@ -220,7 +220,7 @@ def make_spec(args, parser) -> JobSpec:
         hosts = discover(args.host_discovery_script)
         if not hosts:
             raise ValueError(f"{args.host_discovery_script} printed no host to start on")
-    elif launcher == "ssh":
+    elif launcher == "ssh" and not args.hostfile:
         raise ValueError("the ssh launcher needs a hostfile: -H FILE with one host per line")
     env = {"DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(num_servers)}
     env.update({k: v for k, v in os.environ.items() if k.startswith(_FORWARD_PREFIXES)})
