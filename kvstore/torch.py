@@ -2116,7 +2116,8 @@ class _DistributedMixin:
         elif rows and group.members is not None:
             raise NotImplementedError(
                 "DistributedOptimizer: row_sparse parameters with a process set other than "
-                "hvd.global_process_set are not supported (a row-sparse key has all workers)"
+                "hvd.global_process_set, or in an elastic job, are not supported (a row-sparse "
+                "key has all workers)"
             )
         self._kvt_names = {id(p): named[id(p)] for p in params}
         # Reverse order: backward produces the last layers' gradients first.
