@@ -305,10 +305,15 @@ class Rounds:
 
     def arrive(self, rank: int) -> None:
         """A worker takes slot ``rank`` of an elastic job: its first push of a key goes to the
-        key's next round (the open one completes without it)."""
+        key's next round (the open one completes without it). A group's key made before it
+        came is not its: a group is the workers that made it (kvstore.torch's elastic keys
+        are made anew by the workers of each membership), so the slot stays out of it."""
         self.left.discard(rank)
         self._arrived = True
         for key, state in self.keys.items():
+            if state.members is not None and rank not in state.outsiders:
+                state.outsiders = state.outsiders | {rank}
+                continue
             start = state.done + (1 if key in self._open else 0)
             state.pushed[rank] = max(state.pushed[rank], start)
             state.last_push[rank] = -1.0

@@ -265,6 +265,8 @@ class KVStore:
         Horovod's process sets need: only the members call ``init`` (no barrier with the
         others), the first to reach a server creates a key (give every member the same
         value), and only they push and pull it; a round is complete once every member pushed.
+        In an elastic job the members are slots (``kv.rank`` is renumbered at every change),
+        and a newcomer taking a slot is not a member of the groups made before it came.
 
         >>> kv.init("grad.ps1", np.zeros(4), members=[0, 2])  # on ranks 0 and 2  # doctest: +SKIP
         """
@@ -299,21 +301,25 @@ class KVStore:
         if members is None:
             return None
         ranks = list(members) if isinstance(members, (list, tuple)) else None
+        count, mine = self._member_space()
         if (
             not ranks
-            or any(type(r) is not int or not 0 <= r < self.num_workers for r in ranks)
+            or any(type(r) is not int or not 0 <= r < count for r in ranks)
             or len(set(ranks)) != len(ranks)
         ):
             raise ValueError(
-                f"init: members= must be distinct ranks in [0, {self.num_workers}), got "
-                f"{members!r:.80}"
+                f"init: members= must be distinct ranks in [0, {count}), got {members!r:.80}"
             )
-        if self.rank not in ranks:
+        if mine not in ranks:
             raise ValueError(
-                f"init: worker {self.rank} is not in members={sorted(ranks)}: only the members "
+                f"init: worker {mine} is not in members={sorted(ranks)}: only the members "
                 "of a group initialise its keys"
             )
         return tuple(sorted(ranks))
+
+    def _member_space(self) -> tuple[int, int]:
+        """(how many, mine): what a group's ``members`` name (ranks; slots in an elastic job)."""
+        return self.num_workers, self.rank
 
     def push(self, key, value, priority: int = 0) -> None:
         """Push one array or one per device per key; the arrays of a key are summed first."""

@@ -161,6 +161,7 @@ __all__ = [
     "start_timeline",
     "stop_timeline",
     "synchronize",
+    "elastic",
 ]
 
 log = logging.getLogger("kvstore.torch")
@@ -181,8 +182,9 @@ HorovodInternalError = KVStoreError
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's (``horovod.common.exceptions``): the job's hosts changed, in elastic mode.
-    kvstore.torch has no elastic mode and never raises it; scripts that name it import.
+    """Horovod's (``horovod.common.exceptions``): the job's workers changed, in an elastic job
+    (``launch.py -n MIN:MAX``); ``TorchState.commit()`` raises it on every worker at the same
+    step, and ``hvd.elastic.run`` catches it (see :mod:`kvstore.torch_elastic`).
 
     >>> hvd.HostsUpdatedInterrupt(skip_sync=True).skip_sync  # doctest: +SKIP
     True
@@ -333,6 +335,29 @@ class _State:
         self.handles: dict = {}  # handle -> (Future, finish) of the *_async calls in flight
         self.handle_ids = itertools.count(1)
         self.tracer: timeline.Tracer | None = None  # start_timeline's (set in the comm thread)
+        self.generation: _Generation | None = None  # an elastic job's workers (else None)
+
+
+class _Generation(NamedTuple):
+    """An elastic job's workers between two resets, as every one of them agreed in the
+    rendezvous (:func:`_rendezvous_in`): ``slots`` (the store's slots, sorted), the
+    membership ``epoch`` they had seen, and this worker's ``slot``. ``rank()`` and ``size()``
+    are its; its collectives use keys of its own, made as a group of its slots, so a worker
+    that comes later is in none of them (the server leaves a newcomer out of the groups made
+    before it came) and the survivors' steps never wait for it before the next reset."""
+
+    epoch: int
+    slots: tuple
+    slot: int
+
+    @property
+    def rank(self) -> int:
+        return self.slots.index(self.slot)
+
+    @property
+    def prefix(self) -> str:
+        tag = zlib.crc32(",".join(map(str, self.slots)).encode())
+        return f"kvt.e{self.epoch}-{tag:08x}."
 
 
 _state = _State()
@@ -436,6 +461,11 @@ def add_process_set(process_set) -> ProcessSet:
 def _add_set(process_set: ProcessSet, what: str) -> bool:
     """Register the set (False: one of the same ranks is there)."""
     st = _require()
+    if st.generation is not None:
+        raise NotImplementedError(
+            f"{what}: process sets in an elastic job are not supported (its ranks change at "
+            "every reset)"
+        )
     ranks, n = tuple(process_set.ranks), st.kv.num_workers
     if not ranks or len(set(ranks)) != len(ranks) or not 0 <= ranks[0] <= ranks[-1] < n:
         raise ValueError(f"{what}: expected distinct ranks in 0..{n - 1}, got {list(ranks)}")
@@ -477,7 +507,10 @@ class _Group(NamedTuple):
 def _group(process_set, what: str, members_only: bool = True) -> _Group | None:
     """The group of ``process_set``; a ValueError for a set not added or (``members_only``)
     on a worker outside it (else None there)."""
-    kv = _require().kv
+    st = _require()
+    kv, gen = st.kv, st.generation
+    if gen is not None and (process_set is None or process_set is global_process_set):
+        return _Group(tuple(range(len(gen.slots))), gen.rank, gen.prefix, list(gen.slots))
     if process_set is None or process_set is global_process_set:
         return _Group(tuple(range(size())), rank(), "kvt.", None)
     if not isinstance(process_set, ProcessSet):
@@ -543,7 +576,7 @@ def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
                 f"MXNet's names for them), not {kv.type!r}"
             )
         _state.kv, _state.owned, _state.keys = kv, owned, set()
-        _state.handles, _state.tracer = {}, None
+        _state.handles, _state.tracer, _state.generation = {}, None, None
         _state.optimizers.clear()
         _state.process_sets, _state.process_set_ids = {}, itertools.count(1)
         _state.comm = _Comm(kv)
@@ -551,6 +584,8 @@ def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
         # what is in flight and closes the store before anything else touches it.
         atexit.register(shutdown)
         global_process_set.ranks = list(range(kv.num_workers))
+        if getattr(kv, "_present", None) is not None:  # elastic: agree on who is here
+            _elastic_reset()
         _state.local_rank, _state.local_size = _local_ranks(kv)
     for ps in process_sets or ():
         if not _add_set(ps, "init"):
@@ -559,12 +594,15 @@ def init(kv_store: str | KVStore | None = None, process_sets=None) -> None:
 
 def _local_ranks(kv: KVStore) -> tuple[int, int]:
     """(local rank, local size): the launcher's ``LOCAL_RANK`` and ``LOCAL_SIZE``, else
-    found by gathering every worker's host name (collective, at init only)."""
+    found by gathering every worker's host name (collective, at init only; not in an elastic
+    job, whose newcomers' init meets nobody's)."""
     env = os.environ
     if kv.num_workers == 1:
         return 0, 1
     if env.get("LOCAL_RANK", "").isdigit() and env.get("LOCAL_SIZE", "").isdigit():
         return int(env["LOCAL_RANK"]), int(env["LOCAL_SIZE"])
+    if _state.generation is not None:
+        return 0, 1
     host = zlib.crc32(socket.gethostname().encode())
     hosts = allgather(torch.tensor([host], dtype=torch.int64), name="kvt.hosts").tolist()
     same = [r for r, h in enumerate(hosts) if h == host]
@@ -593,13 +631,71 @@ def shutdown() -> None:
 
 
 def rank() -> int:
-    """This worker's rank, 0 .. size() - 1."""
-    return _require().kv.rank
+    """This worker's rank, 0 .. size() - 1 (in an elastic job: among the workers of the last
+    reset, renumbered at each)."""
+    st = _require()
+    return st.kv.rank if st.generation is None else st.generation.rank
 
 
 def size() -> int:
-    """The number of workers."""
-    return _require().kv.num_workers
+    """The number of workers (in an elastic job: since the last reset)."""
+    st = _require()
+    return st.kv.num_workers if st.generation is None else len(st.generation.slots)
+
+
+# ---------------------------------------------------------------- elastic jobs: resets
+#
+# Horovod's elastic reset (shutdown, init) forms a new ring of the workers present. Here the
+# store and its rounds go on (no rollback); a reset is a rendezvous: one round of a key of
+# every slot, made at the start, into which each worker present puts (1, the membership
+# epoch it has seen) at its slot's row. A newcomer's first push of it goes to its next
+# round, so the newcomer's init meets the survivors' next reset. The round's pushers are
+# the next generation; hvd.elastic (kvstore/torch_elastic.py) drives the resets.
+
+_MEMBERS_KEY = "kvt.elastic.members"
+
+
+def _rendezvous_in(kv) -> _Generation:
+    """Agree with every worker present on the next generation (in the comm thread)."""
+    slots = kv._num_workers
+    if _MEMBERS_KEY not in _state.keys:
+        # every slot's key: rank 0 makes it at the start; a newcomer's init sends nothing
+        kv.init(_MEMBERS_KEY, np.zeros((slots, 2), np.int64))
+        _state.keys.add(_MEMBERS_KEY)
+    rows = np.zeros((slots, 2), np.int64)
+    rows[kv._rank] = (1, kv.epoch)
+    kv.pushpull(_MEMBERS_KEY, rows)
+    here = tuple(int(s) for s in np.flatnonzero(rows[:, 0]))
+    return _Generation(int(rows[:, 1].max()), here, kv._rank)
+
+
+def _elastic_reset() -> None:
+    """A reset: the rendezvous, then ``rank()``, ``size()`` and the global process set are
+    the new generation's. Every worker present calls it (a newcomer in ``init``)."""
+    st = _require()
+    gen = st.comm.run(_rendezvous_in)
+    st.generation = gen
+    global_process_set.ranks = list(range(len(gen.slots)))
+    log.info(
+        "elastic reset: epoch %d, workers in slots %s; rank %d", gen.epoch, gen.slots, gen.rank
+    )
+
+
+def _workers_changed() -> bool:
+    """Whether any worker of this generation has seen a membership change (the same answer
+    on every one of them: a round of their keys). False outside elastic jobs."""
+    st = _require()
+    gen = st.generation
+    if gen is None:
+        return False
+    g = _group(None, "check_host_updates")
+
+    def job(kv):
+        now = (kv.epoch, int(tuple(kv._present) != gen.slots))
+        return _gather_in(kv, g, "elastic.check", None, np.array(now, np.int64))
+
+    rows = st.comm.run(job)
+    return bool(rows[:, 0].max() > gen.epoch or rows[:, 1].any())
 
 
 def local_rank() -> int:
@@ -1735,7 +1831,8 @@ def broadcast_object(
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
     # The bytes every worker unpickles are the root's alone: on keys under root_only(root) the
     # servers count any other rank's push as zeros, so no other worker can change them.
-    root = root_only(root_rank)
+    gen = _state.generation  # the servers know workers by their slots
+    root = root_only(root_rank if gen is None else gen.slots[root_rank])
     length = np.array([len(data)], np.int64)
     _sum(g, [root + _key(g, "object.length", name, length.dtype, length.shape)], [length])
     n = int(length[0])
@@ -2005,6 +2102,8 @@ class _DistributedMixin:
         self._kvt_passes = passes
         self._kvt_prescale = 1.0 / predivide
         self._kvt_postscale = predivide / group.size if op == Average and group else 1.0
+        self._kvt_average = (op == Average, predivide)
+        self._kvt_generation = st.generation
         self._kvt_should_sync = True
         self._kvt_synchronized = False
         self._kvt_lock = threading.Lock()
@@ -2017,7 +2116,8 @@ class _DistributedMixin:
         elif rows and group.members is not None:
             raise NotImplementedError(
                 "DistributedOptimizer: row_sparse parameters with a process set other than "
-                "hvd.global_process_set are not supported (a row-sparse key has all workers)"
+                "hvd.global_process_set, or in an elastic job, are not supported (a row-sparse "
+                "key has all workers)"
             )
         self._kvt_names = {id(p): named[id(p)] for p in params}
         # Reverse order: backward produces the last layers' gradients first.
@@ -2027,8 +2127,11 @@ class _DistributedMixin:
         # Numbered per group: the same on every member, whatever other sets' optimizers are
         index = 0
         if group is not None:
-            st.optimizers[group.prefix] += 1
-            index = st.optimizers[group.prefix]
+            # an elastic job's optimizers keep their number across resets: count them all
+            counted = "kvt.elastic" if st.generation is not None else group.prefix
+            st.optimizers[counted] += 1
+            index = st.optimizers[counted]
+        self._kvt_index = index
         self._kvt_rows = _RowGrads(rows, index) if rows else None
         self._kvt_buckets: list[_Bucket] = []
         for (dtype, _, _), members in groups.items():
@@ -2055,6 +2158,23 @@ class _DistributedMixin:
             for p in params
         ]
         weakref.finalize(self, _remove_hooks, self._kvt_hooks)
+
+    def _kvt_follow(self) -> None:
+        """After an elastic reset: the buckets' keys and the average are the new workers'
+        (between steps: no bucket in flight)."""
+        gen = _state.generation
+        if self._kvt_group is None or gen is self._kvt_generation or self._kvt_next:
+            return
+        group = _group(None, "DistributedOptimizer")
+        average, predivide = self._kvt_average
+        self._kvt_group, self._kvt_generation = group, gen
+        self._kvt_postscale = predivide / group.size if average else 1.0
+        for i, b in enumerate(self._kvt_buckets):
+            b.key = f"{group.prefix}grad.{self._kvt_index}.{i}"
+        keys = [b.key for b in self._kvt_buckets]
+        hosts = [b.host for b in self._kvt_buckets]
+        if keys:
+            _state.comm.run(lambda kv: _ensure(kv, group, keys, hosts))
 
     def _kvt_add_bucket(self, index: int, dtype: np.dtype, params: list) -> None:
         key = f"{self._kvt_group.prefix}grad.{index}.{len(self._kvt_buckets)}"
@@ -2109,6 +2229,7 @@ class _DistributedMixin:
 
     def _kvt_send_ready(self) -> None:
         """Send the full buckets, in bucket order (the same order on every worker)."""
+        self._kvt_follow()
         buckets = self._kvt_buckets
         while self._kvt_next < len(buckets):
             b = buckets[self._kvt_next]
@@ -2456,3 +2577,13 @@ class _RowGrads:
             index = torch.from_numpy(rows.indices).unsqueeze(0)
             grad = torch.sparse_coo_tensor(index, torch.from_numpy(data), self.shapes[i])
             p.grad = grad.to(device=p.device, dtype=p.dtype).coalesce()
+
+
+# ---------------------------------------------------------------- hvd.elastic
+
+# Horovod's horovod.torch.elastic: ``hvd.elastic.run``, and ``import kvstore.torch.elastic``.
+import sys as _sys  # noqa: E402
+
+from . import torch_elastic as elastic  # noqa: E402
+
+_sys.modules[__name__ + ".elastic"] = elastic

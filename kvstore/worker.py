@@ -287,6 +287,10 @@ class DistStore(KVStore):
         """The workers in the job now (an elastic job's changes as they come)."""
         return self._num_workers if self._present is None else len(self._present)
 
+    def _member_space(self) -> tuple[int, int]:
+        # the slots: the ranks of a fixed job; an elastic job's stay while its ranks move
+        return self._num_workers, self._rank
+
     @property
     def epoch(self) -> int:
         """An elastic job's membership epoch: one more at every worker that joins or leaves."""
