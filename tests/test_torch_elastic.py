@@ -215,5 +215,5 @@ def test_horovod_s_elastic_mnist_goes_on_when_a_worker_is_killed_and_replaced(tm
     # the newcomer: its first lines come after the replacement started, at rank 0's epoch
     after = out.rsplit("launch: started worker 1 ", 1)[1]
     first = _train_epochs(after, 1)
-    assert first and first[0] > 5 and first[-1] == EPOCHS, first
+    assert first and first[0] >= 5 and first[-1] == EPOCHS, first  # not 1: rank 0's state
     assert "Test set: Average loss" in out, out
