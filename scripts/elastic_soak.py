@@ -3,12 +3,13 @@
 A ``dist_sync`` job on 127.0.0.1 with elastic workers (slots = --max, at least --min left):
 every few seconds one change, chosen at random among those allowed (a join into a free slot
 while fewer than --max run; a graceful leave or a SIGKILL while more than --min run). Each
-worker (``tests/workers/elastic_soak.py``) pushes 1 into "count" and 2**slot into "who"
-every step. Checks, and prints:
+worker (``tests/workers/elastic_soak.py``) pushes [1, 2**slot] into the key "tally" every
+step. Checks, and prints:
 
 - no hang: after every change, every live worker completes a step within --hang seconds;
-- every round's sum is exactly the pushes of its members: popcount(who) == count, for every
-  step of every worker (a push counted twice or a lost one breaks it);
+- every round's sum is exactly the pushes of its members: the tally's count equals the number
+  of slots in its set, for every step of every worker (a push counted twice or half-lost
+  breaks it);
 - survivors never restart or roll back: each process's steps go 0, 1, 2, ... without a gap;
 - a newcomer contributes within one round: its first round's "who" holds its own slot;
 - throughput: steps per second per live worker, against a run of the same length with no
