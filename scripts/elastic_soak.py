@@ -179,6 +179,9 @@ def run(args, changes: int, seed: int) -> tuple[list[str], float, int, int]:
                     problems.append(
                         f"change {done} ({move} slot {slot}): HANG, no step from {stuck}"
                     )
+                    for log in sorted(job.tmp.glob("*.log")):  # what they said, for the report
+                        tail = log.read_text(errors="replace").splitlines()[-6:]
+                        problems.append(f"--- {log.name}\n" + "\n".join(tail))
                     break
         finally:
             job.stop()
