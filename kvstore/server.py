@@ -148,6 +148,7 @@ class Server:
         self._peer_proved: dict[int, str] = {}  # server rank -> the connection that proved it
         self._pusher = None  # (rank, request id) of the push in hand (async forwards)
         self._deferred: list = []  # requests of a later epoch than this server has seen
+        self.members_epoch = 0  # an elastic job's membership epoch, as this server knows it
         self._unsent: set = set()  # keys whose forward is noted but not yet sent
         self.rows = SparseKeys()  # row-sparse keys (kvstore.sparse)
         self.handlers.update(
@@ -249,6 +250,7 @@ class Server:
         credential opens the slot's connection; its pushes start at each key's next round)."""
         body = msg.body
         left, joined = body.get("left"), body.get("joined")
+        self.members_epoch = max(self.members_epoch, body["epoch"])
         for rank in (left, joined):
             if type(rank) is int and 0 <= rank < self.num_workers:
                 self._proved.pop(rank, None)  # the slot's connection proves itself again
@@ -267,6 +269,9 @@ class Server:
             body["present"],
             f" (worker {left} left: {body.get('why', '')})" if left is not None else "",
         )
+        deferred, self._deferred = self._deferred, []  # a newcomer's requests that waited
+        for identity, frames in deferred:
+            self._handle(identity, frames)
 
     def _on_worker_done(self, msg: Message) -> None:
         self._execute(self.rounds.finished(msg.body["rank"]))
@@ -494,6 +499,11 @@ class Server:
             if type(epoch) is int and epoch > self.epoch:  # sent after a failover we have
                 self._deferred.append((identity, frames))  # not heard of yet: keep it
                 return
+        joined = msg.body.get("mepoch")  # a newcomer to an elastic job: the epoch it came in
+        if type(joined) is int and joined > self.members_epoch:  # its credential and its
+            if len(self._deferred) < 10_000:  # rounds come with that notice: wait for it
+                self._deferred.append((identity, frames))
+            return
         try:
             rank = self._worker_rank(identity, frames[0], msg.kind)
             handler = self.handlers.get(msg.kind)

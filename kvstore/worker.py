@@ -178,6 +178,7 @@ class DistStore(KVStore):
         self._present = book.body.get("present")
         self._members_epoch = book.body.get("epoch", 0)
         self._late = self._present is not None and self._members_epoch > 0
+        self._joined_epoch = self._members_epoch  # the epoch this worker came in
         self._servers = [tuple(s) for s in book.body["servers"]]
         # KVSTORE_REPLICAS > 1: the servers holding each server's parts (kvstore.sharding);
         # a request goes to the live server acting for its server (_route), and is kept
@@ -305,6 +306,8 @@ class DistStore(KVStore):
         msg_id = next(self._ids)
         if self._epoch:
             body = {**body, "epoch": self._epoch}
+        if self._late:  # the servers act on it once they know this worker (its epoch)
+            body = {**body, "mepoch": self._joined_epoch}
         msg = Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays))
         self._transmit(server, msg)
         kept = msg if self._chains else None
@@ -344,6 +347,8 @@ class DistStore(KVStore):
                 pulled = self._pull_regions(out) if out.kind in _PULLING and here else ()
                 if pulled:
                     body["shm_pull"] = pulled
+                if self._late:
+                    body["mepoch"] = self._joined_epoch
                 if retain:
                     if self._epoch:
                         body["epoch"] = self._epoch
