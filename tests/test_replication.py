@@ -339,7 +339,6 @@ def test_both_replicas_of_a_part_lost_is_a_clear_error(tmp_path):
         cluster.wait_for_output("worker0", "step 3 at", 60)
         cluster.procs["server0"].send_signal(signal.SIGKILL)
         assert poll_until(lambda: "failover" in cluster.output("scheduler"), 30), cluster.dump()
-        time.sleep(0.5)
         for i in (1, 2):  # one of them holds server0's parts now: both are lost
             cluster.procs[f"server{i}"].send_signal(signal.SIGKILL)
         codes = cluster.wait(procs, 60)
