@@ -277,7 +277,7 @@ class Gate:
         event = recv_monitor_message(self.monitor)
         kind, value = event["event"], event["value"]
         if kind == zmq.EVENT_ACCEPTED:
-            self._addresses[value] = _peer(value)
+            self._addresses[value] = address_of(value)
             if len(self._addresses) > 10_000:  # fds are reused: keep the table small
                 self._addresses.pop(next(iter(self._addresses)))
         elif kind == zmq.EVENT_DISCONNECTED:
@@ -319,11 +319,13 @@ class Gate:
         self.sock.close(linger=0)
 
 
-def _peer(fd: int) -> str:
-    """The address of the peer on a socket file descriptor that ZeroMQ owns (not closed)."""
+def address_of(fd: int, peer: bool = True) -> str:
+    """``host:port`` of the peer (else of this end) of a connection on a file descriptor that
+    ZeroMQ owns (not closed); "?" when it is gone. The scheduler's gate names a connection
+    by its peer, and a node tells the scheduler its own end, so that the two match."""
     try:
         with socket.socket(fileno=os.dup(fd)) as s:
-            host, port = s.getpeername()[:2]
+            host, port = (s.getpeername() if peer else s.getsockname())[:2]
             return f"{host}:{port}"
     except OSError:
         return "?"

@@ -167,7 +167,7 @@ class Control:
                     if event["event"] == zmq.EVENT_CONNECTED:
                         # this end's address, which the scheduler's gate sees as the peer's:
                         # told with the heartbeats, so a closed connection names its node
-                        self._conn = _local_address(event["value"])
+                        self._conn = auth.address_of(event["value"], peer=False)
                         next_beat = time.monotonic()  # say it now
                     elif not registered and not refused:
                         refused = True  # ZeroMQ retries; say it once
@@ -259,16 +259,6 @@ def _scheduler_failed(cfg: Config, silent: float) -> Message:
     node = f"scheduler ({cfg.root_uri}:{cfg.root_port})"
     reason = f"the scheduler sent nothing for {silent:.1f}s"
     return Message("node_failed", 0, "control", {"node": node, "reason": reason})
-
-
-def _local_address(fd: int) -> str:
-    """``host:port`` of this end of a connection ZeroMQ owns (its file descriptor)."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            host, port = s.getsockname()[:2]
-            return f"{host}:{port}"
-    except OSError:
-        return ""
 
 
 _HANDSHAKE_FAILED = (

@@ -240,7 +240,12 @@ class Scheduler:
             if msg.kind == "heartbeat" and identity in self.members.nodes:
                 self._keep_metrics(identity, msg)
                 conn = msg.body.get("conn")
-                if isinstance(conn, str) and len(conn) < 80 and len(self._peers) < 100_000:
+                if (
+                    isinstance(conn, str)
+                    and conn != "?"
+                    and len(conn) < 80
+                    and len(self._peers) < 100_000
+                ):
                     self._peers[conn] = identity
             return self._execute(self.members.receive(identity, msg, time.monotonic()))
         except Exception as exc:  # the scheduler never dies of what a peer sent
