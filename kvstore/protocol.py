@@ -33,6 +33,15 @@ VERSION = 2
 PACK_BELOW = 16384  # bytes: smaller arrays share the header's frame
 
 _KEY = (int, str)
+
+# Keys the library makes for itself (kvstore.elastic's rendezvous) start with this: they may
+# sit in a store of int keys, and the servers store their sums (no optimizer touches them).
+INTERNAL_PREFIX = "kvstore."
+
+
+def internal(key) -> bool:
+    return isinstance(key, str) and key.startswith(INTERNAL_PREFIX)
+
 # kind -> required body fields and their types. Replies carry the request's id.
 SCHEMA: dict[str, dict[str, tuple]] = {
     # node <-> scheduler

@@ -114,6 +114,9 @@ class _Key:
     staleness: int | None = None  # dist_ssp's bound, from its first request (None: dist_sync)
     members: tuple | None = None  # a group's key: only these ranks push it (None: every rank)
     outsiders: frozenset = frozenset()  # the ranks not in ``members``: never in its rounds
+    # elastic jobs: newcomers that have not pushed this key yet, out of its rounds until then
+    absent: set = field(default_factory=set)
+    zeroed: int = -1  # the round whose absent newcomers' leaves are in (as zeros)
 
 
 class Rounds:
@@ -207,6 +210,9 @@ class Rounds:
                     actions,
                 )
                 continue
+            if state.absent and rank in state.absent:  # a newcomer's first push of it
+                state.absent.discard(rank)
+                state.pushed[rank] = max(state.pushed[rank], state.done)
             n = state.pushed[rank]
             state.pushed[rank] = n + 1
             state.last_push[rank] = now
@@ -224,7 +230,7 @@ class Rounds:
                 self._add(state, rank, grad, now)
             else:
                 state.queued[n].append((rank, grad))
-            if state.total is not None or not self.reproducible:  # else nothing completes
+            if state.total is not None or not self.reproducible or state.absent:
                 self._advance(state, now, actions)
         for _ in range(held):
             self._key_ready(request, actions)
@@ -301,19 +307,25 @@ class Rounds:
             if self.reproducible and not placed and not out and state.pushed[rank] <= state.done:
                 self._place(state, rank, _ZERO, False)  # it will not push the open round
             self._advance(state, now, actions)
+        for state in self.keys.values():
+            state.absent.discard(rank)
         return actions
 
     def arrive(self, rank: int) -> None:
-        """A worker takes slot ``rank`` of an elastic job: its first push of a key goes to the
-        key's next round (the open one completes without it). A group's key made before it
-        came is not its: a group is the workers that made it (kvstore.torch's elastic keys
-        are made anew by the workers of each membership), so the slot stays out of it."""
+        """A worker takes slot ``rank`` of an elastic job. It is in a key's rounds from its
+        first push of the key on: nobody waits for a newcomer that has not pushed it yet (it
+        may first meet the others elsewhere, as kvstore.elastic's reset does). That push goes
+        to the key's open round, unless the round was open before the newcomer came (then to
+        the next). A group's key made before it came is not its: a group is the workers that
+        made it (elastic keys are made anew by the workers of each membership), so the slot
+        stays out of it."""
         self.left.discard(rank)
         self._arrived = True
         for key, state in self.keys.items():
-            if state.members is not None and rank not in state.outsiders:
+            if state.members is not None:
                 state.outsiders = state.outsiders | {rank}
                 continue
+            state.absent.add(rank)
             start = state.done + (1 if key in self._open else 0)
             state.pushed[rank] = max(state.pushed[rank], start)
             state.last_push[rank] = -1.0
@@ -419,7 +431,7 @@ class Rounds:
         if self.reproducible:
             if state.count == 1 and (self.joined_ranks or state.outsiders or self.left):
                 # a round opens: joined ranks, slots nobody holds and those outside a group's
-                # key are out
+                # key are out (newcomers yet to push it once the others have: _advance)
                 for r in state.outsiders:
                     self._place(state, r, _ZERO, False)
                 for r in (self.joined_ranks | self.left) - state.outsiders:
@@ -493,7 +505,11 @@ class Rounds:
         if not self.joined_ranks and not self.left and not self._arrived:  # count the pushes
             return state.count == self.num_workers - len(out)
         return all(
-            n > state.done or rank in self.joined_ranks or rank in out or rank in self.left
+            n > state.done
+            or rank in self.joined_ranks
+            or rank in out
+            or rank in self.left
+            or rank in state.absent
             for rank, n in enumerate(state.pushed)
         )
 
@@ -503,7 +519,13 @@ class Rounds:
         self._open.discard(state.name)
 
     def _advance(self, state: _Key, now: float, actions: list) -> None:
-        while self._complete(state) and (state.dead_from is None or state.done < state.dead_from):
+        while True:
+            if self.reproducible and state.absent and state.count and state.total is None:
+                self._close_absent(state)
+            if not self._complete(state) or (
+                state.dead_from is not None and state.done >= state.dead_from
+            ):
+                return
             if self.reproducible:
                 total = state.total
             else:
@@ -516,6 +538,34 @@ class Rounds:
             for rank, grad in state.queued.pop(state.done, ()):
                 self._add(state, rank, grad, now)
 
+    def enter(self, rank: int, now: float) -> list:
+        """Newcomer ``rank`` is in every key's rounds from now on, not only from its first
+        push of each (kvstore.elastic's reset: the workers of the new membership meet, then
+        go on in step). An open round goes on without it (as a zero); the next has it."""
+        actions: list = []
+        for key, state in self.keys.items():
+            if rank not in state.absent:
+                continue
+            state.absent.discard(rank)
+            if key not in self._open:
+                state.pushed[rank] = max(state.pushed[rank], state.done)
+                continue
+            if state.pushed[rank] <= state.done:  # its leaf is not in the open round yet
+                if self.reproducible:
+                    self._place(state, rank, _ZERO, False)
+                state.pushed[rank] = state.done + 1
+            self._advance(state, now, actions)
+        return actions
+
+    def _close_absent(self, state: _Key) -> None:
+        """Once every other worker pushed the open round, the newcomers that have not pushed
+        the key yet are out of it (their leaves are zeros): it completes without them."""
+        if state.zeroed != state.done and not self._missing(state):
+            state.zeroed = state.done
+            for r in state.absent:
+                if state.pushed[r] <= state.done:
+                    self._place(state, r, _ZERO, False)
+
     def _missing(self, state: _Key) -> list:
         return [
             r
@@ -524,6 +574,7 @@ class Rounds:
             and r not in self.joined_ranks
             and r not in state.outsiders
             and r not in self.left
+            and r not in state.absent
         ]
 
     def _present(self, state: _Key) -> list:

@@ -35,7 +35,7 @@ from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
 from .memory import trim, tune_allocator
-from .protocol import Message, ProtocolError, decode, error_reply, request_id
+from .protocol import Message, ProtocolError, decode, error_reply, internal, request_id
 from .replication import Backup, Primary
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import acting, row_server
@@ -464,6 +464,8 @@ class Server:
             busy = True
         home = self.backup.home.get(key) if self.chains is not None else None
         updater = self.updater if home is None else self.backup_updaters.get(home)
+        if internal(key[0]):  # (key, part): the library's own keys hold sums
+            updater = None
         if updater is None and not action.accumulate:
             if self._shm_of and _in_segment(value):  # a lone push through shared memory
                 value = value.copy()
@@ -762,6 +764,9 @@ class Server:
                 raise ValueError("no optimizer is set; call set_optimizer first")
             blob = np.frombuffer(dump_states(updater, self.rows.tables), np.uint8)
             self._send(identity, Message("ack", msg.id, self.name, {}, [blob]))
+        elif name == "enter":  # kvstore.elastic's reset: a newcomer is in every round now
+            self._execute(self.rounds.enter(rank, time.monotonic()))
+            self._send(identity, Message("ack", msg.id, self.name))
         elif name == "set_states":
             updater = self._updater_for(msg)
             if updater is None or len(msg.arrays) != 1:

@@ -16,6 +16,7 @@ import numpy as np
 from . import optimizer as opt
 from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
 from .compression import Compression
+from .protocol import internal
 from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
 
 
@@ -183,7 +184,8 @@ class KVStore:
         if not key_list:
             raise ValueError(f"{what}: empty list of keys")
         norm = [_norm_key(k) for k in key_list]
-        kinds = {type(k) for k in norm} | ({self._key_kind} if self._key_kind else set())
+        kinds = {type(k) for k in norm if not internal(k)}
+        kinds |= {self._key_kind} if self._key_kind else set()
         if len(kinds) > 1:
             raise TypeError(
                 f"{what}: int and str keys cannot be mixed in one store "
@@ -295,7 +297,8 @@ class KVStore:
         for item in items:
             first = item.values[0]
             self._meta[item.key] = Meta(tuple(first.shape), np.dtype(first.dtype))
-            self._key_kind = type(item.key)
+            if not internal(item.key):
+                self._key_kind = type(item.key)
 
     def _group(self, members) -> tuple | None:
         if members is None:

@@ -89,6 +89,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, timeline
+from .elastic import Generation, HostsUpdatedInterrupt, rendezvous, workers_changed
 from .errors import KVStoreError
 from .server import root_only
 from .store import KVStore
@@ -179,20 +180,6 @@ _SUMMING_TYPES = ("local", "device", "dist_sync", "dist_device_sync")
 # ``except hvd.HorovodInternalError`` written for Horovod catches PeerLostError too, with no
 # layer translating errors (an uncaught one keeps its exit code: 129 for a lost peer).
 HorovodInternalError = KVStoreError
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's (``horovod.common.exceptions``): the job's workers changed, in an elastic job
-    (``launch.py -n MIN:MAX``); ``TorchState.commit()`` raises it on every worker at the same
-    step, and ``hvd.elastic.run`` catches it (see :mod:`kvstore.torch_elastic`).
-
-    >>> hvd.HostsUpdatedInterrupt(skip_sync=True).skip_sync  # doctest: +SKIP
-    True
-    """
-
-    def __init__(self, skip_sync: bool):
-        super().__init__(skip_sync)
-        self.skip_sync = skip_sync
 
 
 class MismatchError(KVStoreError, ValueError):
@@ -335,29 +322,7 @@ class _State:
         self.handles: dict = {}  # handle -> (Future, finish) of the *_async calls in flight
         self.handle_ids = itertools.count(1)
         self.tracer: timeline.Tracer | None = None  # start_timeline's (set in the comm thread)
-        self.generation: _Generation | None = None  # an elastic job's workers (else None)
-
-
-class _Generation(NamedTuple):
-    """An elastic job's workers between two resets, as every one of them agreed in the
-    rendezvous (:func:`_rendezvous_in`): ``slots`` (the store's slots, sorted), the
-    membership ``epoch`` they had seen, and this worker's ``slot``. ``rank()`` and ``size()``
-    are its; its collectives use keys of its own, made as a group of its slots, so a worker
-    that comes later is in none of them (the server leaves a newcomer out of the groups made
-    before it came) and the survivors' steps never wait for it before the next reset."""
-
-    epoch: int
-    slots: tuple
-    slot: int
-
-    @property
-    def rank(self) -> int:
-        return self.slots.index(self.slot)
-
-    @property
-    def prefix(self) -> str:
-        tag = zlib.crc32(",".join(map(str, self.slots)).encode())
-        return f"kvt.e{self.epoch}-{tag:08x}."
+        self.generation: Generation | None = None  # an elastic job's workers (else None)
 
 
 _state = _State()
@@ -510,7 +475,7 @@ def _group(process_set, what: str, members_only: bool = True) -> _Group | None:
     st = _require()
     kv, gen = st.kv, st.generation
     if gen is not None and (process_set is None or process_set is global_process_set):
-        return _Group(tuple(range(len(gen.slots))), gen.rank, gen.prefix, list(gen.slots))
+        return _Group(tuple(range(len(gen.slots))), gen.rank, f"kvt.{gen.tag}.", list(gen.slots))
     if process_set is None or process_set is global_process_set:
         return _Group(tuple(range(size())), rank(), "kvt.", None)
     if not isinstance(process_set, ProcessSet):
@@ -646,56 +611,24 @@ def size() -> int:
 # ---------------------------------------------------------------- elastic jobs: resets
 #
 # Horovod's elastic reset (shutdown, init) forms a new ring of the workers present. Here the
-# store and its rounds go on (no rollback); a reset is a rendezvous: one round of a key of
-# every slot, made at the start, into which each worker present puts (1, the membership
-# epoch it has seen) at its slot's row. A newcomer's first push of it goes to its next
-# round, so the newcomer's init meets the survivors' next reset. The round's pushers are
-# the next generation; hvd.elastic (kvstore/torch_elastic.py) drives the resets.
-
-_MEMBERS_KEY = "kvt.elastic.members"
-
-
-def _rendezvous_in(kv) -> _Generation:
-    """Agree with every worker present on the next generation (in the comm thread)."""
-    slots = kv._num_workers
-    if _MEMBERS_KEY not in _state.keys:
-        # every slot's key: rank 0 makes it at the start; a newcomer's init sends nothing
-        kv.init(_MEMBERS_KEY, np.zeros((slots, 2), np.int64))
-        _state.keys.add(_MEMBERS_KEY)
-    rows = np.zeros((slots, 2), np.int64)
-    rows[kv._rank] = (1, kv.epoch)
-    kv.pushpull(_MEMBERS_KEY, rows)
-    here = tuple(int(s) for s in np.flatnonzero(rows[:, 0]))
-    return _Generation(int(rows[:, 1].max()), here, kv._rank)
+# store and its rounds go on (no rollback); a reset is kvstore.elastic's rendezvous, whose
+# pushers are the next generation; hvd.elastic (kvstore/torch_elastic.py) drives the resets.
 
 
 def _elastic_reset() -> None:
     """A reset: the rendezvous, then ``rank()``, ``size()`` and the global process set are
     the new generation's. Every worker present calls it (a newcomer in ``init``)."""
     st = _require()
-    gen = st.comm.run(_rendezvous_in)
-    st.generation = gen
-    global_process_set.ranks = list(range(len(gen.slots)))
-    log.info(
-        "elastic reset: epoch %d, workers in slots %s; rank %d", gen.epoch, gen.slots, gen.rank
-    )
+    st.generation = st.comm.run(rendezvous)
+    global_process_set.ranks = list(range(st.generation.size))
 
 
 def _workers_changed() -> bool:
     """Whether any worker of this generation has seen a membership change (the same answer
-    on every one of them: a round of their keys). False outside elastic jobs."""
+    on every one of them). False outside elastic jobs."""
     st = _require()
     gen = st.generation
-    if gen is None:
-        return False
-    g = _group(None, "check_host_updates")
-
-    def job(kv):
-        now = (kv.epoch, int(tuple(kv._present) != gen.slots))
-        return _gather_in(kv, g, "elastic.check", None, np.array(now, np.int64))
-
-    rows = st.comm.run(job)
-    return bool(rows[:, 0].max() > gen.epoch or rows[:, 1].any())
+    return gen is not None and st.comm.run(lambda kv: workers_changed(kv, gen))
 
 
 def local_rank() -> int:

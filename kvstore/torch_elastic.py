@@ -32,7 +32,6 @@ slot, which syncs from rank 0.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import random
 
@@ -40,48 +39,25 @@ import torch
 import torch.utils.data
 
 from . import torch as hvd
+from .elastic import BaseState, run
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 
 
-class State:
-    """Horovod's ``horovod.common.elastic.State``: what ``run`` saves, restores and syncs."""
+class State(BaseState):
+    """Horovod's ``horovod.common.elastic.State``: what ``run`` saves, restores and syncs
+    (kvstore.elastic's loop, on ``hvd``'s workers)."""
 
-    def __init__(self):
-        self._reset_callbacks: list = []
+    _restore_on = (hvd.HorovodInternalError,)
 
-    def register_reset_callbacks(self, callbacks) -> None:
-        """Functions called after each reset (workers came or left), before ``sync``: e.g. to
-        scale the learning rate by the new ``hvd.size()``."""
-        self._reset_callbacks.extend(callbacks)
+    def _workers_changed(self) -> bool:
+        return hvd._workers_changed()
 
-    def on_reset(self) -> None:
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
-
-    def commit(self) -> None:
-        """Save the state (``restore()`` comes back to it), then ``check_host_updates()``."""
-        self.save()
-        self.check_host_updates()
-
-    def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` if workers came or left since the last reset:
-        on every worker at once (a small round of the workers' views)."""
-        if hvd._workers_changed():
-            raise hvd.HostsUpdatedInterrupt(skip_sync=False)
-
-    def save(self) -> None:
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        raise NotImplementedError()
-
-    def reset(self) -> None:
-        """Called at a reset, before the callbacks and ``sync``."""
+    def _reset_workers(self) -> None:
+        """Horovod's shutdown and init: here the store goes on, the workers agree on who is
+        here."""
+        if hvd._require().generation is not None:
+            hvd._elastic_reset()
 
 
 class ObjectState(State):
@@ -251,38 +227,3 @@ class TorchState(ObjectState):
         if name in handlers and name in self.__dict__:  # a new model or optimizer: saved
             handlers[name].set_value(value)
         super().__setattr__(name, value)
-
-
-def run(func):
-    """Horovod's ``hvd.elastic.run``: call ``func(state, ...)`` after ``state.sync()``; when
-    workers came or left (:class:`HostsUpdatedInterrupt`) reset and sync, keeping this
-    worker's state; on a :class:`HorovodInternalError` restore the last commit, reset and
-    sync; then call it again.
-
-    >>> @hvd.elastic.run
-    ... def train(state): ...  # doctest: +SKIP
-    """
-
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        skip_sync = False
-        while True:
-            try:
-                if not skip_sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except hvd.HostsUpdatedInterrupt as exc:
-                skip_sync = exc.skip_sync
-            except hvd.HorovodInternalError:
-                state.restore()
-                skip_sync = False
-            _reset()
-            state.on_reset()
-
-    return wrapper
-
-
-def _reset() -> None:
-    """Horovod's shutdown and init: here the store goes on, the workers agree on who is here."""
-    if hvd._require().generation is not None:
-        hvd._elastic_reset()

@@ -863,6 +863,13 @@ class DistStore(KVStore):
         ids = [self._send(s, "optimizer", body) for s in live]
         self._wait("set_optimizer", ids)
 
+    def _enter(self) -> None:
+        """kvstore.elastic's reset: this worker is in every key's rounds from now on (a
+        newcomer is otherwise in a key's rounds from its first push of the key)."""
+        live = [s for s in range(len(self._servers)) if s not in self._dead]
+        ids = [self._send(s, "command", {"name": "enter"}) for s in live]
+        self._wait("elastic reset", ids)
+
     def set_updater(self, updater) -> None:
         raise ValueError(
             f"{self.type}: updates run on the servers, and a Python callable "

@@ -32,22 +32,29 @@ from .cluster import ROOT
 @settings(max_examples=300, deadline=None)
 @given(
     W=st.integers(2, 5),
-    events=st.lists(st.tuples(st.sampled_from(["push", "leave", "arrive"]), st.integers(0, 4))),
+    events=st.lists(
+        st.tuples(st.sampled_from(["push", "leave", "arrive", "enter"]), st.integers(0, 4))
+    ),
     reproducible=st.booleans(),
 )
 def test_rounds_complete_with_the_pushes_of_the_workers_present(W, events, reproducible):
     """Every push is 1, so a round's sum counts its pushes. Against a plain model of the rule:
-    a worker's n-th push goes to its next round; a newcomer's next round is the key's open
-    round's successor (or the open one if none is open); a round completes once it holds a
-    push and every worker present has pushed it. Pushes, leaves and arrivals in any order."""
+    a worker's n-th push goes to its next round; a newcomer is in the rounds from its first
+    push on, which goes to the open round, unless that round was open when it came (then
+    to the next), or from its ``enter`` (the open round without it, the next with it); a
+    round completes once it holds a push and every worker present (but newcomers yet to
+    push or enter) has pushed it. Pushes, leaves, arrivals and entries in any order."""
     r = Rounds(W, 0, reproducible=reproducible)
     r.add_key("k")
-    present = set(range(W))
+    present, fresh = set(range(W)), set()
     nxt, counts, done, model = [0] * W, {}, 0, []
     applied = []
     for kind, who in events:
         rank = who % W
         if kind == "push" and rank in present:
+            if rank in fresh:
+                fresh.discard(rank)
+                nxt[rank] = max(nxt[rank], done)
             counts[nxt[rank]] = counts.get(nxt[rank], 0) + 1
             nxt[rank] += 1
             grad = np.ones(1, np.float32)
@@ -55,16 +62,22 @@ def test_rounds_complete_with_the_pushes_of_the_workers_present(W, events, repro
             actions = r.push(object(), rank, [("k", grad)], True, 0.0)
         elif kind == "leave" and rank in present and len(present) > 1:
             present.discard(rank)
+            fresh.discard(rank)
             actions = r.leave(rank, 0.0)
         elif kind == "arrive" and rank not in present:
             present.add(rank)
+            fresh.add(rank)
             nxt[rank] = max(nxt[rank], done + (1 if counts.get(done) else 0))
             r.arrive(rank)
             actions = []
+        elif kind == "enter" and rank in fresh:  # kvstore.elastic's reset: in from now on
+            fresh.discard(rank)
+            nxt[rank] = max(nxt[rank], done + (1 if counts.get(done) else 0))
+            actions = r.enter(rank, 0.0)
         else:
             continue
         applied += [float(a.value[0]) for a in actions if isinstance(a, Apply)]
-        while counts.get(done) and all(nxt[q] > done for q in present):
+        while counts.get(done) and all(nxt[q] > done for q in present - fresh):
             model.append(float(counts[done]))
             done += 1
     assert applied == model
@@ -122,12 +135,14 @@ def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_go
     assert book.kind == "book" and book.body["rank"] == 0  # the waiting one takes slot 0
 
 
-def _launch_elastic(tmp_path, kill_after: str, launcher=()) -> str:
+def _launch_elastic(
+    tmp_path, kill_after: str, launcher=(), script="elastic_counter.py", args=("50", "0.05")
+) -> str:
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
-    script = ROOT / "tests" / "workers" / "elastic_counter.py"
+    script = ROOT / "tests" / "workers" / script
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1", *launcher]
-        + [sys.executable, str(script), "50", "0.05"],
+        + [sys.executable, str(script), *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -167,6 +182,30 @@ def test_a_worker_killed_is_replaced_and_the_others_never_restart(tmp_path):
     # the newcomer's pushes count: rounds of 3 after the kill
     after = out.split("[worker 1] late")[1]
     assert re.search(r"\[worker 0\] step \d+ value 3 workers 3", after), out
+
+
+def test_a_kvstore_script_s_elastic_state_goes_on_without_rolling_back(tmp_path):
+    """kvstore.elastic for KVStore users (an int-keyed store with the servers' SGD): a worker
+    killed half way is replaced; at the next commit every worker resets at the same step and
+    agrees on ranks and size; the survivors never go back; the newcomer starts from rank 0's
+    commit; every round takes its pushes' count off the weight."""
+    out = _launch_elastic(
+        tmp_path, "[worker 0] step 0.10 ", script="elastic_state.py", args=("2", "20", "0.05")
+    )
+    assert "[worker 1] late: slot 1" in out, out
+    for rank in (0, 2):  # survivors: every batch once, in order
+        steps = re.findall(rf"\[worker {rank}\] step (\d+)\.(\d+) ", out)
+        assert [(int(e), int(b)) for e, b in steps] == [
+            (e, b) for e in range(2) for b in range(20)
+        ], (rank, steps)
+        assert out.count(f"[worker {rank}] start ") >= 2, out  # a reset (or two)
+    starts = re.findall(r"\[worker (\d)\] start (\d+)\.(\d+) rank (\d) size (\d)", out)
+    late = [s for s in starts if s[0] == "1"][-1]  # the newcomer's (re)start
+    last = next(s for s in reversed(starts) if s[0] == "0" and s[4] == "3")
+    assert late[1:3] == last[1:3] and late[4] == "3", (late, last)  # rank 0's commit
+    assert sorted(s[3] for s in starts if s[1:3] == last[1:3] and s[4] == "3") == ["0", "1", "2"]
+    ws = [float(w) for w in re.findall(r"\[worker 0\] step \S+ w (\S+) ", out)]
+    assert all(0 < a - b <= 3 for a, b in zip([0.0] + ws, ws)), ws  # SGD: w -= count, once
 
 
 def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
