@@ -146,6 +146,7 @@ class Rounds:
         self.joined_ranks: set[int] = set()
         self.left: set[int] = set()  # elastic jobs: slots no worker holds now
         self._arrived = False  # a slot was taken mid-job: rounds are not counted by pushes
+        self.newcomers: set[int] = set()  # arrived, not entered: absent from new keys too
         self._open: set[Hashable] = set()  # keys with a sync round under way
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
@@ -162,6 +163,8 @@ class Rounds:
         if members is not None:
             state.members = tuple(sorted(members))
             state.outsiders = frozenset(range(self.num_workers)) - set(members)
+        else:  # e.g. a part taken over at a failover: nobody waits for a newcomer there either
+            state.absent = set(self.newcomers)
         self.keys[key] = state
 
     def give_back(self, key: Hashable, buffer: np.ndarray) -> None:
@@ -309,6 +312,7 @@ class Rounds:
             self._advance(state, now, actions)
         for state in self.keys.values():
             state.absent.discard(rank)
+        self.newcomers.discard(rank)
         return actions
 
     def arrive(self, rank: int) -> None:
@@ -321,6 +325,7 @@ class Rounds:
         stays out of it."""
         self.left.discard(rank)
         self._arrived = True
+        self.newcomers.add(rank)
         for key, state in self.keys.items():
             if state.members is not None:
                 state.outsiders = state.outsiders | {rank}
@@ -543,6 +548,7 @@ class Rounds:
         push of each (kvstore.elastic's reset: the workers of the new membership meet, then
         go on in step). An open round goes on without it (as a zero); the next has it."""
         actions: list = []
+        self.newcomers.discard(rank)
         for key, state in self.keys.items():
             if rank not in state.absent:
                 continue

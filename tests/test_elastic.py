@@ -136,12 +136,21 @@ def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_go
 
 
 def _launch_elastic(
-    tmp_path, kill_after: str, launcher=(), script="elastic_counter.py", args=("50", "0.05")
+    tmp_path,
+    kill_after: str,
+    launcher=("-s", "1"),
+    script="elastic_counter.py",
+    args=("50", "0.05"),
+    server_too=False,
+    **env,
 ) -> str:
-    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    """Launch an elastic job (-n 2:3); kill worker 1 once ``kill_after`` is printed (and
+    with ``server_too`` server 1 when the newcomer starts, so that it registers while the
+    servers fail over)."""
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), **env)
     script = ROOT / "tests" / "workers" / script
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1", *launcher]
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", *launcher]
         + [sys.executable, str(script), *args],
         cwd=tmp_path,
         env=env,
@@ -162,6 +171,14 @@ def _launch_elastic(
                 )
                 os.kill(pid, 9)
                 killed = True
+            if server_too and killed and line.startswith("launch: started worker 1 "):
+                server_too = False
+                pid = next(
+                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
+                    for x in seen
+                    if x.startswith("launch: started server 1 ")
+                )
+                os.kill(pid, 9)
         assert proc.wait(timeout=90) == 0, "".join(seen)
     finally:
         if proc.poll() is None:
@@ -206,6 +223,29 @@ def test_a_kvstore_script_s_elastic_state_goes_on_without_rolling_back(tmp_path)
     assert sorted(s[3] for s in starts if s[1:3] == last[1:3] and s[4] == "3") == ["0", "1", "2"]
     ws = [float(w) for w in re.findall(r"\[worker 0\] step \S+ w (\S+) ", out)]
     assert all(0 < a - b <= 3 for a, b in zip([0.0] + ws, ws)), ws  # SGD: w -= count, once
+
+
+def test_a_newcomer_registering_while_the_servers_fail_over(tmp_path):
+    """Replicas and elastic workers together: worker 1 is killed, and server 1 when the
+    launcher starts the newcomer, so the newcomer registers and arrives while server 0 takes
+    over server 1's parts of the key. The job ends 0; every element of every round counts
+    1 to 3 pushes; once things settle, every part of the key holds all three workers'."""
+    out = _launch_elastic(
+        tmp_path,
+        "[worker 0] step 10 ",
+        launcher=("-s", "2", "--replicas", "2"),
+        script="elastic_parts.py",
+        args=("80", "0.05"),
+        server_too=True,
+        KVSTORE_BIGARRAY_BOUND="1000",
+    )
+    assert "server 1 on localhost was killed by SIGKILL; its replicas go on" in out, out
+    assert "failover to epoch" in out and "[worker 1] late: slot 1" in out, out
+    rows = re.findall(r"\[worker (\d)\] step (\d+) min (\S+) max (\S+) workers (\d)", out)
+    assert all(1 <= float(lo) <= float(hi) <= 3 for _, _, lo, hi, _ in rows), rows
+    for rank in "02":  # the survivors: all three in both parts, step after step
+        mine = "".join("3" if r[2:] == ("3", "3", "3") else "." for r in rows if r[0] == rank)
+        assert "33333" in mine, (rank, mine)
 
 
 def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
@@ -267,7 +307,7 @@ def test_over_ssh_a_worker_killed_is_replaced(sshd, tmp_path):
     worker's ssh is killed, its remote process ends with it, and a new one takes the slot."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
-    options = ["--launcher", "ssh", "-H", str(hosts), *sshd.ssh_options()]
+    options = ["-s", "1", "--launcher", "ssh", "-H", str(hosts), *sshd.ssh_options()]
     out = _launch_elastic(tmp_path, "[worker 0] step 10 ", options)
     assert "worker 1 on 127.0.0." in out and "the others go on" in out, out
     assert "[worker 1] late: slot 1" in out, out
