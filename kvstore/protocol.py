@@ -42,6 +42,7 @@ INTERNAL_PREFIX = "kvstore."
 def internal(key) -> bool:
     return isinstance(key, str) and key.startswith(INTERNAL_PREFIX)
 
+
 # kind -> required body fields and their types. Replies carry the request's id.
 SCHEMA: dict[str, dict[str, tuple]] = {
     # node <-> scheduler

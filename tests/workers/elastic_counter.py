@@ -1,10 +1,12 @@
 """An elastic job's counter: every worker pushes 1 into key "count" once per step (pushpull,
 no optimizer), so each round's value is the number of workers whose push it holds. Prints
 each step's value with the job's size as this worker saw it ("step S value V workers N
-epoch E"); a newcomer (a worker that took a slot after the start) prints "late". Steps take
-a little while, so a test can kill or add workers half way.
+epoch E min A max B": V the first element, A and B the least and greatest); a newcomer (a
+worker that took a slot after the start) prints "late". Steps take a little while, so a
+test can kill or add workers half way. A key of many elements (with a small
+KVSTORE_BIGARRAY_BOUND) is cut into parts on every server.
 
-argv: steps, seconds per step.
+argv: steps, seconds per step[, elements of the key (1)].
 """
 
 import sys
@@ -15,14 +17,19 @@ import numpy as np
 import kvstore
 
 steps, pause = int(sys.argv[1]), float(sys.argv[2])
+size = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 kv = kvstore.create("dist_sync")
-kv.init("count", np.zeros(1, np.float32))
+kv.init("count", np.zeros(size, np.float32))
 if getattr(kv, "_late", False):
     print(f"late: slot {kv._rank}, epoch {kv.epoch}", flush=True)
-out = np.zeros(1, np.float32)
+out = np.zeros(size, np.float32)
 for step in range(steps):
-    kv.pushpull("count", np.ones(1, np.float32), out=out)
-    print(f"step {step} value {out[0]:g} workers {kv.num_workers} epoch {kv.epoch}", flush=True)
+    kv.pushpull("count", np.ones(size, np.float32), out=out)
+    print(
+        f"step {step} value {out[0]:g} workers {kv.num_workers} epoch {kv.epoch} "
+        f"min {out.min():g} max {out.max():g}",
+        flush=True,
+    )
     time.sleep(pause)
 kv.close()
 print("done", flush=True)

@@ -29,7 +29,7 @@ state.register_reset_callbacks([lambda: print(f"reset size {state.size}", flush=
 def train(state):
     print(f"start {state.epoch}.{state.batch} rank {state.rank} size {state.size}", flush=True)
     w = np.zeros(1, np.float32)
-    for state.epoch in range(state.epoch, epochs):
+    for state.epoch in range(state.epoch, epochs):  # noqa: B020 (Horovod's idiom)
         for batch in range(state.batch, batches):
             kv.pushpull(0, np.ones(1, np.float32), out=w)
             print(f"step {state.epoch}.{batch} w {w[0]:g} rank {state.rank} size {state.size}")
