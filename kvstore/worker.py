@@ -754,7 +754,9 @@ class DistStore(KVStore):
                 "row-sparse keys are not replicated: run them with KVSTORE_REPLICAS=1 "
                 "(launch.py --replicas 1)"
             )
-        if self._rank == 0:
+        if self._late:  # an elastic job's newcomer: the keys are made, its peers past init
+            return
+        if self.rank == 0:
             ids, _ = self._commit("init", sparse.plan_init(items, len(self._servers)))
             self._wait("init", ids)
         self.barrier()

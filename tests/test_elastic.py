@@ -201,6 +201,23 @@ def test_a_worker_killed_is_replaced_and_the_others_never_restart(tmp_path):
     assert re.search(r"\[worker 0\] step \d+ value 3 workers 3", after), out
 
 
+def test_row_sparse_keys_in_an_elastic_job(tmp_path):
+    """A row-sparse key (rows on both servers), every row pushed and pulled each step: a
+    worker killed and replaced; every row's value counts 1 to 3 pushes, the survivors'
+    steps go on, and the newcomer's pushes count."""
+    out = _launch_elastic(
+        tmp_path, "[worker 0] step 10 ", ("-s", "2"), args=("40", "0.05", "64", "rows")
+    )
+    assert "[worker 1] late: slot 1" in out, out
+    for rank in (0, 2):
+        steps = [int(s) for s in re.findall(rf"\[worker {rank}\] step (\d+) ", out)]
+        assert steps == list(range(40)), (rank, steps)
+    found = re.findall(r"min (\S+) max (\S+)", out)
+    assert all(1 <= float(lo) <= float(hi) <= 3 for lo, hi in found), found
+    after = out.split("[worker 1] late")[1]
+    assert re.search(r"\[worker 0\] step \d+ value 3 .* min 3 max 3", after), out
+
+
 def test_a_kvstore_script_s_elastic_state_goes_on_without_rolling_back(tmp_path):
     """kvstore.elastic for KVStore users (an int-keyed store with the servers' SGD): a worker
     killed half way is replaced; at the next commit every worker resets at the same step and
