@@ -69,11 +69,13 @@ class HostsUpdatedInterrupt(RuntimeError):
 class Generation(NamedTuple):
     """An elastic job's workers between two resets, as every one of them agreed in
     :func:`rendezvous`: ``slots`` (the store's slots, sorted), the membership ``epoch`` they
-    had seen, and this worker's ``slot``."""
+    had seen, this worker's ``slot``, and per slot the epoch its worker came in
+    (``arrivals``: 0 for the first workers)."""
 
     epoch: int
     slots: tuple
     slot: int
+    arrivals: tuple = ()
 
     @property
     def rank(self) -> int:
@@ -97,22 +99,28 @@ def is_elastic(kv) -> bool:
 
 def fixed(kv) -> Generation:
     """The one generation of a job of a fixed size."""
-    return Generation(0, tuple(range(kv.num_workers)), kv.rank)
+    return Generation(0, tuple(range(kv.num_workers)), kv.rank, (0,) * kv.num_workers)
 
 
 def rendezvous(kv) -> Generation:
     """Agree with every worker present on the next generation: one round of a key of every
     slot (made by the first workers; a newcomer's init sends nothing), into which each worker
-    present puts (1, the membership epoch it has seen) at its slot's row. A newcomer's first
-    push of it goes to its next round, so a newcomer meets the survivors' next reset."""
+    present puts (1, the membership epoch it has seen, the epoch it came in) at its slot's
+    row. The survivors do not wait for a newcomer in any key before it pushes or enters, so
+    the newcomer's push waits there for the survivors' next reset."""
+    kv._wait("elastic reset")  # this worker's rounds before the reset are done without it
     slots = kv._num_workers
     if MEMBERS_KEY not in kv._meta:
-        kv.init(MEMBERS_KEY, np.zeros((slots, 2), np.int64))
-    rows = np.zeros((slots, 2), np.int64)
-    rows[kv._rank] = (1, kv.epoch)
+        kv._init_any(MEMBERS_KEY, np.zeros((slots, 3), np.int64))
+    rows = np.zeros((slots, 3), np.int64)
+    rows[kv._rank] = (1, kv.epoch, kv._arrival)
     kv.pushpull(MEMBERS_KEY, rows)
     here = tuple(int(s) for s in np.flatnonzero(rows[:, 0]))
-    gen = Generation(int(rows[:, 1].max()), here, kv._rank)
+    arrivals = tuple(int(rows[s, 2]) for s in here)
+    gen = Generation(int(rows[:, 1].max()), here, kv._rank, arrivals)
+    # the groups made by this generation's workers name them by slot and arrival: a slot
+    # taken by a newcomer after this is out of them (it would wait in the next reset)
+    kv._arrivals = dict(zip(here, arrivals, strict=True))
     # A newcomer is in a key's rounds from its first push of it: here it enters them all,
     # and nobody goes on before it did (a round of the generation), so that every key's next
     # round is every member's, whoever pushes it first.
@@ -126,7 +134,7 @@ def _group_sum(kv, gen: Generation, name: str, rows: np.ndarray) -> None:
     """``rows`` summed over the generation's workers, in place."""
     key = f"{INTERNAL_PREFIX}elastic.{gen.tag}.{name}"
     if key not in kv._meta:
-        kv.init(key, np.zeros_like(rows), members=list(gen.slots))
+        kv._init_any(key, np.zeros_like(rows), members=list(gen.slots))
     kv.pushpull(key, rows)
 
 
@@ -144,14 +152,15 @@ def workers_changed(kv, gen: Generation) -> bool:
 
 def broadcast(kv, gen: Generation, obj, root: int = 0):
     """``root``'s ``obj`` (pickled) on every worker of ``gen``: the others push zeros.
-    A root that left mid-way leaves nothing: :class:`HostsUpdatedInterrupt`, to reset again."""
+    A root that left mid-way (its bytes missing, in part or whole: the length and a CRC of
+    them go first) is :class:`HostsUpdatedInterrupt` on every worker, to reset again."""
     if gen.size == 1:
         return obj
     mine = gen.rank == root
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
-    length = np.array([len(data)], np.int64)
-    _group_sum(kv, gen, "object.length", length)
-    n = int(length[0])
+    head = np.array([len(data), zlib.crc32(data)], np.int64)
+    _group_sum(kv, gen, "object.head", head)
+    n, crc = int(head[0]), int(head[1])
     if n == 0:
         raise HostsUpdatedInterrupt(skip_sync=False)
     capacity = 1 << max(6, (n - 1).bit_length())  # few keys however many sizes are sent
@@ -159,7 +168,10 @@ def broadcast(kv, gen: Generation, obj, root: int = 0):
     if mine:
         payload[:n] = np.frombuffer(data, np.uint8)
     _group_sum(kv, gen, f"object{capacity}", payload)
-    return obj if mine else pickle.loads(payload[:n].tobytes())
+    got = payload[:n].tobytes()
+    if zlib.crc32(got) != crc:
+        raise HostsUpdatedInterrupt(skip_sync=False)
+    return obj if mine else pickle.loads(got)
 
 
 class BaseState:

@@ -164,8 +164,10 @@ class Planner:
             for leg in self.route(tuple(keys), False)
         ]
 
-    def init(self, keys, flats, members=None) -> list[Outgoing]:
+    def init(self, keys, flats, members=None, arrivals=None) -> list[Outgoing]:
         body = {} if members is None else {"members": list(members)}
+        if arrivals is not None:
+            body["arrivals"] = list(arrivals)
         return list(self._with_values("init", keys, flats, body, None, None))
 
     def push(

@@ -123,16 +123,17 @@ class Backup:
     """A backup's side: the parts it holds for other servers, what it received of each."""
 
     def __init__(self):
-        self.passive: dict = {}  # key -> (home server, members): not in any round here
+        # key -> (home server, members, their arrivals): not in any round here
+        self.passive: dict = {}
         self.home: dict = {}  # key -> its home server, for every key held for another one
         self.rounds: dict = {}  # key -> sync rounds received
         self.seen: dict = {}  # key -> {rank: the latest request id of its pushes held}
 
-    def hold(self, key: Hashable, home: int, members, acting: bool) -> None:
+    def hold(self, key: Hashable, home: int, members, acting: bool, arrivals=None) -> None:
         """A part of server ``home``'s is kept here (``acting``: and answered for here)."""
         self.home[key] = home
         if not acting:
-            self.passive[key] = (home, members)
+            self.passive[key] = (home, members, arrivals)
 
     def received(self, key: Hashable, accumulate: bool, held) -> None:
         """A forward of ``key`` was applied here."""
@@ -144,13 +145,13 @@ class Backup:
                 seen[rank] = request_id
 
     def take_over(self, homes) -> list:
-        """This server now acts for the parts of ``homes``: ``[(key, members, rounds)]``,
-        the passive keys that become active, with the rounds they have had."""
+        """This server now acts for the parts of ``homes``: ``[(key, members, rounds,
+        arrivals)]``, the passive keys that become active, with the rounds they have had."""
         out = []
-        for key, (home, members) in list(self.passive.items()):
+        for key, (home, members, arrivals) in list(self.passive.items()):
             if home in homes:
                 del self.passive[key]
-                out.append((key, members, self.rounds.get(key, 0)))
+                out.append((key, members, self.rounds.get(key, 0), arrivals))
         return out
 
     def duplicate(self, key: Hashable, rank: int, request_id: int) -> bool:

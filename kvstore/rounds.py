@@ -146,25 +146,29 @@ class Rounds:
         self.joined_ranks: set[int] = set()
         self.left: set[int] = set()  # elastic jobs: slots no worker holds now
         self._arrived = False  # a slot was taken mid-job: rounds are not counted by pushes
-        self.newcomers: set[int] = set()  # arrived, not entered: absent from new keys too
+        self.arrived_at: dict[int, int] = {}  # slot -> the membership epoch its holder came
         self._open: set[Hashable] = set()  # keys with a sync round under way
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
     # ---- keys
-    def add_key(self, key: Hashable, members=None, rounds: int = 0) -> None:
+    def add_key(self, key: Hashable, members=None, rounds: int = 0, arrivals=None) -> None:
         """``members``: the ranks of a group's key (Horovod's process sets): its rounds are
         complete when every member has pushed; other ranks may not push or pull it.
         ``rounds``: the key has had that many rounds elsewhere (a replica taking over), so
-        every rank's next push goes to round ``rounds``."""
+        every rank's next push goes to round ``rounds``. ``arrivals``: per member, when the
+        holder of its slot that made the group came (an elastic job's generation): a slot
+        held by another worker since is out of the group, as if it had come later."""
         if key in self.keys:
             raise ValueError(f"key {key!r} is already initialised")
         state = _Key(key, [rounds] * self.num_workers, last_push=[-1.0] * self.num_workers)
         state.done = rounds
         if members is not None:
             state.members = tuple(sorted(members))
-            state.outsiders = frozenset(range(self.num_workers)) - set(members)
-        else:  # e.g. a part taken over at a failover: nobody waits for a newcomer there either
-            state.absent = set(self.newcomers)
+            out = set(range(self.num_workers)) - set(members)
+            if arrivals is not None:
+                held = self.arrived_at
+                out |= {m for m, a in zip(members, arrivals, strict=True) if held.get(m, 0) != a}
+            state.outsiders = frozenset(out)
         self.keys[key] = state
 
     def give_back(self, key: Hashable, buffer: np.ndarray) -> None:
@@ -312,10 +316,9 @@ class Rounds:
             self._advance(state, now, actions)
         for state in self.keys.values():
             state.absent.discard(rank)
-        self.newcomers.discard(rank)
         return actions
 
-    def arrive(self, rank: int) -> None:
+    def arrive(self, rank: int, epoch: int = 0) -> None:
         """A worker takes slot ``rank`` of an elastic job. It is in a key's rounds from its
         first push of the key on: nobody waits for a newcomer that has not pushed it yet (it
         may first meet the others elsewhere, as kvstore.elastic's reset does). That push goes
@@ -325,7 +328,7 @@ class Rounds:
         stays out of it."""
         self.left.discard(rank)
         self._arrived = True
-        self.newcomers.add(rank)
+        self.arrived_at[rank] = epoch
         for key, state in self.keys.items():
             if state.members is not None:
                 state.outsiders = state.outsiders | {rank}
@@ -437,8 +440,9 @@ class Rounds:
             if state.count == 1 and (self.joined_ranks or state.outsiders or self.left):
                 # a round opens: joined ranks, slots nobody holds and those outside a group's
                 # key are out (newcomers yet to push it once the others have: _advance)
-                for r in state.outsiders:
-                    self._place(state, r, _ZERO, False)
+                for r in state.outsiders:  # (a push it queued before it left counts)
+                    if state.pushed[r] <= state.done:
+                        self._place(state, r, _ZERO, False)
                 for r in (self.joined_ranks | self.left) - state.outsiders:
                     if state.pushed[r] <= state.done:
                         self._place(state, r, _ZERO, False)
@@ -548,7 +552,6 @@ class Rounds:
         push of each (kvstore.elastic's reset: the workers of the new membership meet, then
         go on in step). An open round goes on without it (as a zero); the next has it."""
         actions: list = []
-        self.newcomers.discard(rank)
         for key, state in self.keys.items():
             if rank not in state.absent:
                 continue
@@ -568,7 +571,7 @@ class Rounds:
         the key yet are out of it (their leaves are zeros): it completes without them."""
         if state.zeroed != state.done and not self._missing(state):
             state.zeroed = state.done
-            for r in state.absent:
+            for r in state.absent - self.joined_ranks:  # (a joined one's zero is in)
                 if state.pushed[r] <= state.done:
                     self._place(state, r, _ZERO, False)
 

@@ -261,7 +261,7 @@ class Server:
         if type(joined) is int and 0 <= joined < self.num_workers:
             if self.gate is not None:
                 self.gate.allow_worker(self.cfg, joined, body.get("cred", ""))
-            self.rounds.arrive(joined)
+            self.rounds.arrive(joined, body["epoch"])
         log.info(
             "%s: epoch %d: workers %s%s",
             self.name,
@@ -572,6 +572,14 @@ class Server:
         workers): the first init creates a key, the same init again is answered as done."""
         keys = [tuple(k) for k in msg.body["keys"]]
         members = _members_of(msg.body.get("members"), rank, self.num_workers)
+        arrivals = msg.body.get("arrivals")
+        if arrivals is not None and (
+            members is None
+            or not isinstance(arrivals, list)
+            or len(arrivals) != len(members)
+            or any(type(a) is not int for a in arrivals)
+        ):
+            raise ValueError(f"arrivals: expected an int per member, got {arrivals!r:.80}")
         home = self._home_of(msg)
         fresh = []
         for key, array in zip(keys, msg.arrays, strict=True):
@@ -596,10 +604,10 @@ class Server:
                 self._roots[key] = int(root[1])
             if home != self.rank:  # a backup copy: in no round here while its primary lives
                 answering = acting(home, self.chains, self.dead) == self.rank
-                self.backup.hold(key, home, members, answering)
+                self.backup.hold(key, home, members, answering, arrivals)
                 if not answering:
                     continue
-            self.rounds.add_key(key, members)
+            self.rounds.add_key(key, members, arrivals=arrivals)
         self._send(identity, Message("ack", msg.id, self.name))
 
     def _grads(self, msg: Message, keys: list, rank: int) -> list:
@@ -1018,8 +1026,8 @@ class Server:
             h: [b for b in self.chains[h] if b != self.rank and b not in dead] for h in mine
         }
         taken = self.backup.take_over(set(mine))
-        for key, members, rounds in taken:
-            self.rounds.add_key(key, members, rounds)
+        for key, members, rounds, arrivals in taken:
+            self.rounds.add_key(key, members, rounds, arrivals)
             self.primary.start(key, rounds)
         self._connect_peers()
         log.warning(

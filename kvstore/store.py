@@ -272,6 +272,16 @@ class KVStore:
 
         >>> kv.init("grad.ps1", np.zeros(4), members=[0, 2])  # on ranks 0 and 2  # doctest: +SKIP
         """
+        for k in key if isinstance(key, (list, tuple)) else [key]:
+            if internal(k):
+                raise ValueError(
+                    f"init(key={k!r}): keys that start with 'kvstore.' are the library's own "
+                    "(no optimizer updates them); choose another name"
+                )
+        self._init_any(key, value, members)
+
+    def _init_any(self, key, value, members=None) -> None:
+        """``init`` of any key, the library's own (``kvstore.*``) too."""
         group = self._group(members)
         if group is not None and _holds_rows(value):
             raise ValueError("init: members= is for dense keys; a row-sparse key has all workers")

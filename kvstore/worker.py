@@ -43,7 +43,7 @@ from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
-from .protocol import Message, ProtocolError, decode
+from .protocol import Message, ProtocolError, decode, internal
 from .sharding import acting
 from .store import KVStore, Pending
 
@@ -178,6 +178,8 @@ class DistStore(KVStore):
         self._present = book.body.get("present")
         self._members_epoch = book.body.get("epoch", 0)
         self._late = self._present is not None and self._members_epoch > 0
+        self._arrival = self._members_epoch if self._late else 0  # when it took its slot
+        self._arrivals: dict = {}  # slot -> its holder's arrival, as the last reset agreed
         self._joined_epoch = self._members_epoch  # the epoch this worker came in
         self._servers = [tuple(s) for s in book.body["servers"]]
         # KVSTORE_REPLICAS > 1: the servers holding each server's parts (kvstore.sharding);
@@ -656,7 +658,11 @@ class DistStore(KVStore):
         if members is not None or self.rank == 0:
             keys = [item.key for item in items]
             flats = [self._flat(item.values[:1]) for item in items]
-            outgoing = self._planner.init(keys, flats, members)
+            # an elastic job's group of the last reset's workers: a slot taken by a newcomer
+            # since then is out of the group (the servers know when each holder came)
+            known = members is not None and all(m in self._arrivals for m in members)
+            arrivals = [self._arrivals[m] for m in members] if known else None
+            outgoing = self._planner.init(keys, flats, members, arrivals)
             if self._chains:  # every live replica of a part gets it, told whose part it is
                 outgoing = [
                     out._replace(server=r, body={**out.body, "home": out.server})
@@ -670,12 +676,15 @@ class DistStore(KVStore):
             self.barrier()
 
     def _push_plan(self, kind: str, items) -> Iterator[Outgoing]:
+        keys = [item.key for item in items]
+        # the library's own keys (kvstore.elastic's rounds of counts and bytes) go exact
+        compression = None if any(internal(k) for k in keys) else self._compression
         return self._planner.push(
             kind,
-            [item.key for item in items],
+            keys,
             [self._flat(item.values) for item in items],
             self._sync,
-            self._compression,
+            compression,
             self._residuals,
         )
 

@@ -18,13 +18,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import Config
 from kvstore.membership import Broadcast, Exit, Membership, Send
 from kvstore.protocol import Message
-from kvstore.rounds import Apply, Rounds
+from kvstore.rounds import Apply, Reply, Rounds
 
 from .cluster import ROOT
 
@@ -81,6 +82,241 @@ def test_rounds_complete_with_the_pushes_of_the_workers_present(W, events, repro
             model.append(float(counts[done]))
             done += 1
     assert applied == model
+
+
+# ---- elastic rounds: a newcomer absent, entering, a slot taken again (review findings)
+
+
+def _push(r, rank, value, key="k", req=None):
+    req = req if req is not None else object()
+    return r.push(req, rank, [(key, np.full(1, value, np.float64))], True, 0.0)
+
+
+def _sums(actions):
+    return [float(a.value[0]) for a in actions if isinstance(a, Apply)]
+
+
+def test_regression_a_newcomer_joined_while_absent_has_one_leaf():
+    """W=4; slots 2 and 3 are newcomers (absent). Newcomer 3 calls join() before ever pushing
+    'k': the round-open code places its zero (joined), and _close_absent places it again
+    (absent), leaving a stale zero leaf in the tree. Once everyone joined and the next epoch
+    starts, newcomer 2's push consumes that stale leaf as 3's, and 3's first push is lost."""
+    r = Rounds(4, 0)
+    r.add_key("k")
+    for s in (2, 3):
+        r.leave(s, 0.0)
+        r.arrive(s)
+    r.joined(3, 0.0)
+    got = _push(r, 0, 1.0) + _push(r, 1, 2.0)
+    assert _sums(got) == [3.0]
+    for s in (0, 1, 2):  # everyone out of data: the next epoch
+        r.joined(s, 0.0)
+    got = _push(r, 0, 1.0) + _push(r, 2, 4.0) + _push(r, 3, 8.0) + _push(r, 1, 2.0)
+    # 0, 1, 2 and 3 all pushed round 1 (2 and 3 their first pushes, both in the open round)
+    assert _sums(got) == [15.0]
+
+
+def test_a_newcomer_in_a_key_s_rounds_stays_in_them_after_a_take_over():
+    """Replication: newcomer 1 (a plain script: it never enters) pushed 'k' with the others
+    on the primary, so it is in its rounds. The backup (same membership events) takes the
+    part over: the newcomer is in its rounds there too (not absent again, which would let a
+    round complete without it and leave it a step behind for good)."""
+    primary, backup = Rounds(3, 0), Rounds(3, 0)
+    primary.add_key("k")
+    for r in (primary, backup):
+        r.leave(1, 0.0)
+        r.arrive(1)
+    got = _push(primary, 1, 2.0) + _push(primary, 0, 1.0) + _push(primary, 2, 4.0)
+    assert _sums(got) == [7.0]  # on the primary the newcomer is in round 0
+    backup.add_key("k", None, 1)  # take_over after the primary died
+    got = _push(backup, 0, 1.0) + _push(backup, 2, 4.0) + _push(backup, 1, 2.0)
+    assert _sums(got) == [7.0]
+
+
+def test_a_key_made_after_a_newcomer_came_has_it_in_round_0():
+    """A plain elastic script: every worker present (newcomer 1 included) inits a new key
+    and pushes it; round 0 completes with the survivors alone when their pushes come first
+    must wait for the newcomer: every worker present is in a new key's rounds."""
+    r = Rounds(3, 0)
+    r.leave(1, 0.0)
+    r.arrive(1)
+    r.add_key("new")
+    got = _push(r, 0, 1.0, "new") + _push(r, 2, 4.0, "new") + _push(r, 1, 2.0, "new")
+    assert _sums(got) == [7.0]
+
+
+def test_regression_a_group_key_slot_taken_again_counts_its_queued_push_once():
+    """Pre-existing: group key of ranks 0-3; workers 3 then 2 push rounds 0 and 1 (round 1
+    queued) and worker 2 leaves; a newcomer takes slot 2, an outsider of the group's key.
+    Round 1 opens with 3's queued push: the outsider's zero goes in for slot 2, then the old
+    worker's queued push of slot 2 goes in again, waits for a sibling already consumed."""
+    r = Rounds(4, 0)
+    r.add_key("g", members=[0, 1, 2, 3])
+    _push(r, 3, 8.0, "g"), _push(r, 3, 8.0, "g")
+    _push(r, 2, 4.0, "g"), _push(r, 2, 4.0, "g")
+    r.leave(2, 0.0)
+    r.arrive(2)
+    got = _push(r, 0, 1.0, "g") + _push(r, 1, 2.0, "g")
+    got += _push(r, 0, 1.0, "g") + _push(r, 1, 2.0, "g")
+    assert _sums(got) == [15.0, 15.0]
+
+
+@settings(max_examples=400, deadline=None)
+@given(W=st.integers(2, 5), reproducible=st.booleans(), data=st.data())
+def test_elastic_rounds_against_a_model(W, reproducible, data):
+    """Every event drawn among those that apply (push, pull, leave, arrive, enter, a key
+    made later), every push a distinct power of two (a sum names its pushes): each key's
+    sums equal a plain model's, and each push and pull is answered once its rounds are."""
+    r = Rounds(W, 0, reproducible=reproducible)
+    keys = ["a"]
+    r.add_key("a")
+    present, newcomers = set(range(W)), set()
+    M = {"a": dict(nxt=[0] * W, rounds={}, done=0, fresh=set(), model=[])}
+    applied = {"a": []}
+    waiting = {}  # request -> (key, round)
+    serial = 0
+    for _ in range(data.draw(st.integers(0, 40))):
+        kinds = ["push", "pull"]
+        if len(present) > 1:
+            kinds.append("leave")
+        if len(present) < W:
+            kinds.append("arrive")
+        if newcomers:
+            kinds.append("enter")
+        if "b" not in keys:
+            kinds.append("add_b")
+        kind = data.draw(st.sampled_from(kinds))
+        if kind == "push":
+            rank = data.draw(st.sampled_from(sorted(present)))
+            key = data.draw(st.sampled_from(keys))
+            m = M[key]
+            if rank in m["fresh"]:
+                m["fresh"].discard(rank)
+                m["nxt"][rank] = max(m["nxt"][rank], m["done"])
+            n = m["nxt"][rank]
+            m["nxt"][rank] += 1
+            value = 2.0 ** (serial % 50)
+            serial += 1
+            m["rounds"].setdefault(n, []).append(value)
+            req = ("push", serial)
+            waiting[req] = (key, n)
+            grad = np.full(1, value, np.float64)
+            grad.flags.writeable = False
+            actions = r.push(req, rank, [(key, grad)], True, 0.0)
+        elif kind == "pull":
+            rank = data.draw(st.sampled_from(sorted(present)))
+            key = data.draw(st.sampled_from(keys))
+            serial += 1
+            req = ("pull", serial)
+            waiting[req] = (key, M[key]["nxt"][rank] - 1)  # every round it pushed
+            actions = r.pull(req, rank, [key])
+        elif kind == "leave":
+            rank = data.draw(st.sampled_from(sorted(present)))
+            present.discard(rank)
+            newcomers.discard(rank)
+            for m in M.values():
+                m["fresh"].discard(rank)
+            actions = r.leave(rank, 0.0)
+        elif kind == "arrive":
+            rank = data.draw(st.sampled_from(sorted(set(range(W)) - present)))
+            present.add(rank)
+            newcomers.add(rank)
+            for m in M.values():
+                m["fresh"].add(rank)
+                d = m["done"]
+                m["nxt"][rank] = max(m["nxt"][rank], d + (1 if m["rounds"].get(d) else 0))
+            r.arrive(rank)
+            actions = []
+        elif kind == "enter":
+            rank = data.draw(st.sampled_from(sorted(newcomers)))
+            newcomers.discard(rank)
+            for m in M.values():
+                if rank in m["fresh"]:
+                    m["fresh"].discard(rank)
+                    d = m["done"]
+                    m["nxt"][rank] = max(m["nxt"][rank], d + (1 if m["rounds"].get(d) else 0))
+            actions = r.enter(rank, 0.0)
+        else:  # a key made now: every worker present is in its rounds
+            keys.append("b")
+            r.add_key("b")
+            M["b"] = dict(nxt=[0] * W, rounds={}, done=0, fresh=set(), model=[])
+            applied["b"] = []
+            actions = []
+        for a in actions:
+            if isinstance(a, Apply):
+                applied[a.key].append(float(a.value[0]))
+        for m in M.values():
+            while m["rounds"].get(m["done"]) and all(
+                m["nxt"][q] > m["done"] for q in present - m["fresh"]
+            ):
+                m["model"].append(float(sum(sorted(m["rounds"][m["done"]]))))
+                m["done"] += 1
+        for a in actions:
+            if isinstance(a, Reply):
+                key, n = waiting.pop(a.request)
+                assert M[key]["done"] > n, (a.request, key, n)
+        for req, (key, n) in waiting.items():
+            assert M[key]["done"] <= n, ("not answered", req, key, n)
+        for key in keys:
+            assert applied[key] == M[key]["model"], key
+
+
+def test_a_root_that_dies_between_the_length_and_the_payload_rounds(monkeypatch):
+    """broadcast(): the root pushed the length, then died before it pushed the payload: the
+    payload round completes with its zero leaf: every other worker raises
+    HostsUpdatedInterrupt (and resets again), never unpickles zeros."""
+    import pickle
+    import zlib
+
+    from kvstore import elastic
+
+    data = pickle.dumps({"epoch": 3, "batch": 7}, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def group_sum(kv, gen, name, rows):  # what the servers sum: root's head, no payload
+        if name == "object.head":
+            rows[:] = (len(data), zlib.crc32(data))
+
+    monkeypatch.setattr(elastic, "_group_sum", group_sum)
+    gen = elastic.Generation(1, (0, 1), 1)  # this worker is rank 1, the root rank 0
+    with pytest.raises(elastic.HostsUpdatedInterrupt):
+        elastic.broadcast(None, gen, None)
+
+
+def test_a_group_key_taken_over_leaves_out_a_newcomer_as_its_primary_did():
+    """Replication + a generation's group key (kvstore.elastic's 'check'): slot 2 died and a
+    newcomer took it; on the primary the newcomer is an outsider of the old generation's
+    keys (arrive), so the survivors' check round completes. A backup that takes the key
+    over knows its members' arrivals too: slot 2's holder came later, so it is out of the
+    group there as well (else the round waits for a newcomer waiting in the rendezvous)."""
+    primary, backup = Rounds(3, 0), Rounds(3, 0)
+    primary.add_key("check", members=[0, 1, 2], arrivals=[0, 0, 0])
+    for r in (primary, backup):
+        r.leave(2, 0.0)
+        r.arrive(2, 2)
+    assert _sums(_push(primary, 0, 1.0, "check") + _push(primary, 1, 2.0, "check")) == [3.0]
+    backup.add_key("check", [0, 1, 2], 1, [0, 0, 0])  # take_over after the primary died
+    assert _sums(_push(backup, 0, 1.0, "check") + _push(backup, 1, 2.0, "check")) == [3.0]
+
+
+def test_a_generation_s_key_made_after_a_slot_changed_hands_leaves_the_newcomer_out():
+    """kvstore.elastic: slots 0-2 agree on a generation (the rendezvous round of the members
+    key). Worker 2 dies during the generation's first step and a newcomer takes slot 2
+    before the survivors' first commit(), whose 'check' group key (members: the
+    generation's slots, with the arrivals of their workers) is made only then: slot 2's
+    holder came after, so it is out of the group (it waits in the next rendezvous round)."""
+    r = Rounds(3, 0)
+    r.add_key("members")
+    got = []
+    for rank in (0, 1, 2):  # the rendezvous: generation (slots 0, 1, 2)
+        got += _push(r, rank, 1.0, "members")
+    assert _sums(got) == [3.0]
+    r.leave(2, 0.0)  # worker 2 dies in the first step
+    r.arrive(2, 2)  # a newcomer takes slot 2 (membership epoch 2) ...
+    newcomer = ("newcomer's rendezvous", 2)
+    r.push(newcomer, 2, [("members", np.ones(1))], True, 0.0)  # ... and waits there
+    r.add_key("check", members=[0, 1, 2], arrivals=[0, 0, 0])  # the survivors' first commit
+    got = _push(r, 0, 0.0, "check") + _push(r, 1, 0.0, "check")
+    assert _sums(got) == [0.0], "the survivors' check round waits for the newcomer: deadlock"
 
 
 def make_cfg(**kw) -> Config:
@@ -263,6 +499,59 @@ def test_a_newcomer_registering_while_the_servers_fail_over(tmp_path):
     for rank in "02":  # the survivors: all three in both parts, step after step
         mine = "".join("3" if r[1:] == ("3", "3", "3") else "." for r in rows if r[0] == rank)
         assert "33333" in mine, (rank, mine)
+
+
+def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
+    """Worker 1 is killed two steps before the end; its replacement (slow to start, as a
+    PyTorch script is) comes after the others finished and the scheduler ended the job: the
+    launcher stops it and starts nobody again, and the job ends 0 at once (it used to start
+    replacements for ever, each waiting 65 s for a scheduler that was gone)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import numpy as np\n"
+        "mark = f'started.{os.environ[\"KVSTORE_RANK\"]}'\n"
+        "if os.path.exists(mark):\n"
+        "    time.sleep(3)  # a replacement: slow to start\n"
+        "open(mark, 'w').close()\n"
+        "import kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(1, np.float32))\n"
+        "out = np.zeros(1, np.float32)\n"
+        "for step in range(20):\n"
+        "    kv.pushpull('w', np.ones(1, np.float32), out=out)\n"
+        "    print('step', step, flush=True)\n"
+        "    time.sleep(0.05)\n"
+    )
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1"]
+        + [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:  # bounded: the launcher's own end, and the test's timeout
+            seen.append(line)
+            if line.startswith("[worker 0] step 18"):
+                pid = next(
+                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
+                    for x in seen
+                    if x.startswith("launch: started worker 1 ")
+                )
+                os.kill(pid, 9)
+        assert proc.wait(timeout=30) == 0, "".join(seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = "".join(seen)
+    assert "the job has finished: stopping worker 1, started too late for it" in out, out
+    assert out.count("launch: started worker 1 ") == 2, out
 
 
 def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):

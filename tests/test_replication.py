@@ -131,7 +131,7 @@ class ModelServer:
     def failover(self, dead: int) -> None:
         self.epoch = 1
         if dead == 0:  # this backup answers for the key now
-            for key, members, rounds in self.backup.take_over({0}):
+            for key, members, rounds, _ in self.backup.take_over({0}):
                 self.rounds.add_key(key, members, rounds)
                 self.primary.start(key, rounds)
         else:  # the backup died: nobody waits for it

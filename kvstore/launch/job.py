@@ -121,6 +121,9 @@ class Supervisor:
                 for when, old in [r for r in restarts if r[0] <= now]:
                     restarts.remove((when, old))
                     others = [w for w in self._latest_workers() if w is not old]
+                    if self._job_done():
+                        self.say(f"the job has finished: {old.name} is not started again")
+                        continue
                     if others and all(w.popen.poll() == 0 for w in others):
                         self.say(
                             f"the other workers have finished: {old.name} is not started again"
@@ -140,6 +143,9 @@ class Supervisor:
                     continue
                 ended.append(proc)
                 if proc.retired:
+                    continue
+                if self.elastic and proc.role == "scheduler" and proc.popen.returncode == 0:
+                    self._stop_latecomers()  # every worker present finished: the job is done
                     continue
                 if (
                     proc.popen.returncode
@@ -249,6 +255,19 @@ class Supervisor:
         names = ", ".join(p.name for p in aside)
         self.say(f"the others finished, but {names} failed three times in 60s (set aside)")
         return _status(aside[0].popen.returncode)
+
+    def _job_done(self) -> bool:
+        """An elastic job's scheduler ended it: every worker present had finished."""
+        return any(p.role == "scheduler" and p.popen.poll() == 0 for p in self.procs)
+
+    def _stop_latecomers(self) -> None:
+        """Workers started (in a freed slot) after the others finished find no job to join:
+        stop them, not to fail later for want of a scheduler."""
+        for proc in self._latest_workers():
+            if proc.popen.poll() is None:
+                self.say(f"the job has finished: stopping {proc.name}, started too late for it")
+                proc.retired = True
+                _signal_group(proc.popen, signal.SIGTERM)
 
     def _latest_workers(self) -> list[Proc]:
         """Each worker's latest process (an elastic job starts a failed one again)."""
