@@ -83,13 +83,13 @@ def worker_main(args) -> int:
         out = RowSparse.empty(shape, np.float32)
 
         def anchor_step():  # MXNet's: a push, then a row_sparse_pull of the same rows
-            ids = np.unique(rng.integers(0, rows, req))
+            ids = unique_ids(rng.integers(0, rows, req))
             kv.push("anchor", RowSparse(ids, vals[: ids.size], shape))
             kv.row_sparse_pull("anchor", out=out, row_ids=ids)
             return ids.size
 
         def anchor_pushpull():  # the same work in one call (one message per server)
-            ids = np.unique(rng.integers(0, rows, req))
+            ids = unique_ids(rng.integers(0, rows, req))
             kv.pushpull("anchor", RowSparse(ids, vals[: ids.size], shape), out=out)
             return ids.size
 
@@ -106,6 +106,15 @@ def worker_main(args) -> int:
     kv.close()
     print("RESULTS " + json.dumps(results), flush=True)
     return 0
+
+
+def unique_ids(ids: np.ndarray) -> np.ndarray:
+    """``np.unique(ids)`` by a sort: the same ids. The anchor's step draws its ids with
+    ``np.unique``, which NumPy 2.3+ does with a hash table, about 230 us for 4,096 ids
+    here against 25 us in MXNet's NumPy 1.23: that alone would be a quarter of the step we
+    measure, and not kvstore's."""
+    ids = np.sort(ids)
+    return ids[np.r_[True, ids[1:] != ids[:-1]]]
 
 
 def calls(kv, key, shape, grads, req) -> list:
