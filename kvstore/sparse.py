@@ -192,6 +192,20 @@ def _unique(ids: np.ndarray) -> np.ndarray:
     return ids if _increasing(ids) else np.unique(ids)
 
 
+def _members(ids: np.ndarray, among: np.ndarray | None) -> np.ndarray | None:
+    """Which of sorted ``ids`` are in sorted ``among``: a mask, or None when none are."""
+    if among is None or not among.size or not ids.size:
+        return None
+    found = among.take(np.searchsorted(among, ids), mode="clip") == ids
+    return found if found.any() else None
+
+
+def _merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The sorted union of two sorted unique id arrays (a stable sort merges the runs)."""
+    both = np.sort(np.concatenate([a, b]), kind="stable")
+    return both[np.r_[True, both[1:] != both[:-1]]] if both.size else both
+
+
 def sum_rows(values: list, shape, dtype) -> RowSparse:
     """The sum of several pushes of a key (devices, or workers in rank order), canonical."""
     values = [v for v in values if v.nnz]
@@ -427,6 +441,9 @@ class RowTable:
     # ---- reads
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array."""
+        for pushed, slots in self.recent.values():  # a worker's step: push, pull the same ids
+            if pushed.size == ids.size and np.array_equal(pushed, ids):
+                return self.block[slots]
         found, slots = self.find(ids)
         out = self.block[np.where(found, slots, 0)] if self.count else None
         if found.all() and out is not None:
@@ -472,10 +489,18 @@ class RowTable:
         if len(pushes) == 1:
             self.block[slots[0]] = pushes[0][1]
         else:
-            for where in slots:
-                self.block[where] = 0
-            for where, (_, rows) in zip(slots, pushes, strict=True):
-                self.block[where] += rows
+            # the bits of 0 + a + b, in rank order, with one scatter per push: a row's first
+            # push this round writes 0 + its rows, a later push adds to them
+            zero, earlier = self.dtype.type(0), None
+            for where, (ids, rows) in zip(slots, pushes, strict=True):
+                again = _members(ids, earlier)
+                if again is None:
+                    self.block[where] = np.add(zero, rows)
+                else:
+                    first = ~again
+                    self.block[where[first]] = np.add(zero, rows[first])
+                    self.block[where[again]] += rows[again]
+                earlier = ids if earlier is None else _merge(earlier, ids)
         for where in slots:
             self.changed[where] = self.step
         self.recent = {id(ids): (ids, where) for (ids, _), where in zip(pushes, slots, strict=True)}
@@ -690,6 +715,11 @@ def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:
     if num_server == 1:
         return [np.arange(ids.size)]
     where = row_server(ids, num_server)
+    if num_server == 2:  # two masks beat a sort
+        first = where == 0
+        return [np.flatnonzero(first), np.flatnonzero(~first)]
+    if num_server <= 1 << 16:  # small ints: a radix sort
+        where = where.astype(np.uint16)
     order = np.argsort(where, kind="stable")
     bounds = np.searchsorted(where[order], np.arange(num_server + 1))
     return [order[bounds[s] : bounds[s + 1]] for s in range(num_server)]

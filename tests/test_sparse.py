@@ -334,6 +334,8 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
         table = keys.tables["k"]
         for _, v in values:
             np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
+            # a pull of the same ids (another array: the step's pull) reads the same rows
+            np.testing.assert_array_equal(table.read(v.indices.copy()), twin.read(v.indices))
         np.testing.assert_array_equal(table.read(np.arange(ROWS)), twin.read(np.arange(ROWS)))
         assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
 
