@@ -439,27 +439,34 @@ class RowTable:
         self.states = tuple(grown(s) for s in self.states)
 
     # ---- reads
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array."""
+    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array,
+        or written into ``out`` (returned)."""
         for pushed, slots in self.recent.values():  # a worker's step: push, pull the same ids
             if pushed.size == ids.size and np.array_equal(pushed, ids):
-                return self.block[slots]
+                return self._gather(slots, out)
         found, slots = self.find(ids)
-        out = self.block[np.where(found, slots, 0)] if self.count else None
-        if found.all() and out is not None:
-            return out
+        if found.all() and self.count:
+            return self._gather(slots, out)
         if out is None:
             out = np.empty((ids.size, self.dim), self.dtype)
+        if self.count:
+            np.take(self.block, np.where(found, slots, 0), axis=0, out=out, mode="clip")
         missing = ~found
         out[missing] = init_rows(self.init, ids[missing], self.dim, self.dtype)
         return out
 
-    def pushed_rows(self, ids: np.ndarray) -> np.ndarray:
+    def _gather(self, slots: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return self.block[slots]
+        return np.take(self.block, slots, axis=0, out=out, mode="clip")  # unbuffered
+
+    def pushed_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """:meth:`read` of the ids of a push of the round just applied, without a lookup."""
         hit = self.recent.get(id(ids))
         if hit is not None and hit[0] is ids:
-            return self.block[hit[1]]
-        return self.read(ids)
+            return self._gather(hit[1], out)
+        return self.read(ids, out)
 
     def changed_since(self, step: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted;
@@ -781,12 +788,13 @@ def plan_init(items, num_server: int) -> list:
     ]
 
 
-def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None):
+def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_servers=()):
     """``sparse_push`` per server, with every key: a server with none of a key's rows gets an
     empty set, so that its round of the key completes (it counts this worker's push). With
     ``pulls`` (a pushpull), each server answers with its rows once the round is applied, and
-    a :class:`RowCollector` for them comes back too."""
-    from .plan import Outgoing
+    a :class:`RowCollector` for them comes back too. The rows for a server in
+    ``shm_servers`` (on this host) may go through a shared segment (``Outgoing.shared``)."""
+    from .plan import SHM_FROM, Outgoing
 
     if pulls is not None:
         wanted = []
@@ -794,7 +802,7 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None):
             unique = item.value.indices
             wanted.append((pull, unique, split_by_server(unique, num_server)))
         collector = RowCollector(wanted, metas)
-        out = plan_push(items, num_server, sync)
+        out = plan_push(items, num_server, sync, shm_servers=shm_servers)
         return [o._replace(body={**o.body, "pull": True}) for o in out], collector
 
     legs: list = [([], []) for _ in range(num_server)]
@@ -808,10 +816,14 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None):
             else:
                 arrays += [v.indices[pos], v.data[pos]]
     body = {"sync": sync}
-    return [
-        Outgoing(s, "sparse_push", tuple(k), [list(x) for x in k], body, tuple(a))
-        for s, (k, a) in enumerate(legs)
-    ]
+    out = []
+    for s, (keys, arrays) in enumerate(legs):
+        shared = ()
+        if s in shm_servers:  # the rows of each key (array 2i + 1), when big enough
+            shared = tuple(i for i in range(1, len(arrays), 2) if arrays[i].nbytes >= SHM_FROM)
+        wire = [list(x) for x in keys]
+        out.append(Outgoing(s, "sparse_push", tuple(keys), wire, body, tuple(arrays), shared))
+    return out
 
 
 def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
