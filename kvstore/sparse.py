@@ -192,20 +192,6 @@ def _unique(ids: np.ndarray) -> np.ndarray:
     return ids if _increasing(ids) else np.unique(ids)
 
 
-def _members(ids: np.ndarray, among: np.ndarray | None) -> np.ndarray | None:
-    """Which of sorted ``ids`` are in sorted ``among``: a mask, or None when none are."""
-    if among is None or not among.size or not ids.size:
-        return None
-    found = among.take(np.searchsorted(among, ids), mode="clip") == ids
-    return found if found.any() else None
-
-
-def _merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The sorted union of two sorted unique id arrays (a stable sort merges the runs)."""
-    both = np.sort(np.concatenate([a, b]), kind="stable")
-    return both[np.r_[True, both[1:] != both[:-1]]] if both.size else both
-
-
 def sum_rows(values: list, shape, dtype) -> RowSparse:
     """The sum of several pushes of a key (devices, or workers in rank order), canonical."""
     values = [v for v in values if v.nnz]
@@ -337,13 +323,19 @@ def init_rows(spec: dict, ids: np.ndarray, dim: int, dtype, out: np.ndarray | No
 # ---------------------------------------------------------------- the row store
 
 
+DIRECT_ROWS = 1 << 22  # a table of at most this many rows looks its ids up in a direct map
+
+
 class RowTable:
     """One server's rows of one key: ``ids`` (sorted) -> ``slots`` into ``block``.
 
     A row is created when first pushed (:meth:`apply`, :meth:`assign`), from the initializer;
     a read of an absent row returns its initial value without storing it. ``states`` hold the
     optimizer's state, row for row with ``block``; ``changed[slot]`` is the step (rounds
-    applied) at which a row last changed.
+    applied) at which a row last changed. A table of at most :data:`DIRECT_ROWS` logical rows
+    also keeps ``direct[id] = slot + 1`` (0: absent), 4 bytes per logical row (16 MiB at
+    most, its pages made only where ids fall): a lookup is one gather instead of a binary
+    search of ``ids``.
     """
 
     def __init__(self, dim: int, dtype, init: dict | None = None, rows: int = 2**63 - 1):
@@ -369,6 +361,8 @@ class RowTable:
         # pushpull gather their rows without a second lookup (the ids object is kept, so its
         # id cannot be another array's)
         self.recent: dict = {}
+        # np.zeros: calloc'd, so the pages no id falls in are never made
+        self.direct = np.zeros(self.rows, np.int32) if self.rows <= DIRECT_ROWS else None
 
     def __len__(self) -> int:
         return self.count
@@ -378,11 +372,15 @@ class RowTable:
         """Memory held: the block, the states, the index (capacity, not only rows used)."""
         arrays = (self.ids, self.slots, self.block, self.changed, *self.states)
         arrays += (self.cand_ids, self.cand_counts, self.cand_last)
+        arrays += (self.direct,) if self.direct is not None else ()
         return sum(a.nbytes for a in arrays)
 
     # ---- lookup
     def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found mask, slot per id; -1 where absent) for any ids."""
+        if self.direct is not None:
+            slots = self.direct[ids] - 1
+            return slots >= 0, slots
         n = self.ids.size
         if n == 0:
             return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32)
@@ -397,6 +395,11 @@ class RowTable:
         found, slots = self.find(ids)
         if found.all():
             return slots
+        return self._create(ids, found, slots)
+
+    def _create(self, ids: np.ndarray, found: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """``slots`` (of sorted unique ``ids``, from :meth:`find`) with the rows not
+        ``found`` created."""
         new = ids[~found]
         first = self.count
         self._grow(first + new.size)
@@ -411,6 +414,8 @@ class RowTable:
         at = np.searchsorted(self.ids, new)
         self.ids = np.insert(self.ids, at, new)
         self.slots = np.insert(self.slots, at, made)
+        if self.direct is not None:
+            self.direct[new] = made + 1
         slots[~found] = made
         return slots
 
@@ -492,24 +497,30 @@ class RowTable:
         """A round without an optimizer from its pushes ``[(ids, rows)]`` (each sorted and
         unique, in rank order): the touched rows become their sum."""
         self._next_step()
-        slots = [self.slots_of(ids) for ids, _ in pushes]
         if len(pushes) == 1:
-            self.block[slots[0]] = pushes[0][1]
+            ids, rows = pushes[0]
+            slots = [self.slots_of(ids)]
+            self.block[slots[0]] = rows
+            self.changed[slots[0]] = self.step
         else:
             # the bits of 0 + a + b, in rank order, with one scatter per push: a row's first
-            # push this round writes 0 + its rows, a later push adds to them
-            zero, earlier = self.dtype.type(0), None
-            for where, (ids, rows) in zip(slots, pushes, strict=True):
-                again = _members(ids, earlier)
-                if again is None:
-                    self.block[where] = np.add(zero, rows)
-                else:
-                    first = ~again
-                    self.block[where[first]] = np.add(zero, rows[first])
-                    self.block[where[again]] += rows[again]
-                earlier = ids if earlier is None else _merge(earlier, ids)
-        for where in slots:
-            self.changed[where] = self.step
+            # push this round writes 0 + its rows, a later push adds to them (a row changed
+            # at this step was written by an earlier push of the round)
+            zero, slots = self.dtype.type(0), []
+            for ids, rows in pushes:
+                found, where = self.find(ids)
+                again = None
+                if self.count:
+                    again = found & (self.changed.take(where, mode="clip") == self.step)
+                    again = again if again.any() else None
+                if not found.all():
+                    where = self._create(ids, found, where)
+                self.changed[where] = self.step
+                earlier = None if again is None else self.block[where[again]]
+                self.block[where] = np.add(zero, rows)
+                if earlier is not None:
+                    self.block[where[again]] = earlier + rows[again]
+                slots.append(where)
         self.recent = {id(ids): (ids, where) for (ids, _), where in zip(pushes, slots, strict=True)}
 
     def _next_step(self) -> None:
@@ -600,6 +611,9 @@ class RowTable:
         self.changed[:m] = self.changed[kept]
         for state in self.states:
             state[:m] = state[kept]
+        if self.direct is not None:
+            self.direct[self.ids[~live]] = 0
+            self.direct[self.ids[live]] = np.arange(1, m + 1, dtype=np.int32)
         self.ids = self.ids[live]
         self.slots = np.arange(m, dtype=np.int32)
         self.count = m

@@ -258,13 +258,16 @@ def test_memory_grows_with_rows_touched():
     rounds=st.lists(st.lists(st.integers(0, 15), max_size=6), max_size=14),
     admit=st.integers(1, 3),
     evict=st.sampled_from([0, 1, 2, 5]),
+    direct=st.booleans(),
 )
-def test_admission_and_eviction_match_a_model(rounds, admit, evict):
+def test_admission_and_eviction_match_a_model(rounds, admit, evict, direct):
     """A row is stored from the ``admit``-th round that pushes it; a row unchanged for
     ``evict`` rounds is dropped at the next check (every evict // 2 rounds); an absent row
-    reads as its initial value."""
+    reads as its initial value. With a direct id map (16 rows) or the sorted index alone."""
     init = sparse.uniform(-1, 1, seed=2)
-    table = RowTable(2, np.float32, {**init, "admit_after": admit, "evict_after": evict})
+    spec = {**init, "admit_after": admit, "evict_after": evict}
+    table = RowTable(2, np.float32, spec, rows=16 if direct else 2**63 - 1)
+    assert (table.direct is not None) == direct
     stored, counts, last, seen = {}, {}, {}, {}
     for r, ids in enumerate(rounds, 1):
         ids = sorted(set(ids))
@@ -307,14 +310,18 @@ def test_admission_candidates_age_out():
     rounds=st.lists(st.lists(ids_st, min_size=1, max_size=3), max_size=6),
     sgd=st.booleans(),
     seed=st.integers(0, 2**31),
+    direct=st.booleans(),
 )
-def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
     without an optimizer, summed first with one) leaves the same bits as adding the pushes
-    in rank order and applying the sum; the rows a pushpull answers are its pushed rows."""
+    in rank order and applying the sum; the rows a pushpull answers are its pushed rows.
+    With a direct id map, and with the sorted index alone (as the twin); bit for bit."""
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
     keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
+    if not direct:
+        keys.tables["k"].direct = None
     optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
     shape = (ROWS, DIM)
     for n, pushes in enumerate(rounds):
@@ -332,11 +339,14 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
         touched = np.unique(np.concatenate([v.indices for _, v in values]))
         twin.apply(touched, total[touched], optimizer, n + 1, 0.1)
         table = keys.tables["k"]
+        bits = np.testing.assert_array_equal
         for _, v in values:
-            np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
+            want = twin.read(v.indices).view(np.uint32)
+            bits(table.pushed_rows(v.indices).view(np.uint32), want)
             # a pull of the same ids (another array: the step's pull) reads the same rows
-            np.testing.assert_array_equal(table.read(v.indices.copy()), twin.read(v.indices))
-        np.testing.assert_array_equal(table.read(np.arange(ROWS)), twin.read(np.arange(ROWS)))
+            bits(table.read(v.indices.copy()).view(np.uint32), want)
+        everything = np.arange(ROWS)
+        bits(table.read(everything).view(np.uint32), twin.read(everything).view(np.uint32))
         assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
 
 
