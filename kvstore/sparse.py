@@ -752,7 +752,8 @@ def check_ids(what: str, key, ids, rows: int) -> np.ndarray:
     ids = np.asarray(to_host(ids))
     if ids.size == 0:
         return np.empty(0, np.int64)
-    ids = ids.reshape(-1)
+    if ids.ndim != 1:  # else the same object: a pushpull's pull finds its pushed ids by it
+        ids = ids.reshape(-1)
     if ids.dtype.kind not in "iu":
         if ids.dtype.kind != "f" or not np.all(ids == np.floor(ids)):
             raise TypeError(f"{what}(key={key!r}): row ids must be integers, got {ids.dtype}")
@@ -810,26 +811,18 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
     ``shm_servers`` (on this host) may go through a shared segment (``Outgoing.shared``)."""
     from .plan import SHM_FROM, Outgoing
 
-    if pulls is not None:
-        wanted = []
-        for item, pull in zip(items, pulls, strict=True):
-            unique = item.value.indices
-            wanted.append((pull, unique, split_by_server(unique, num_server)))
-        collector = RowCollector(wanted, metas)
-        out = plan_push(items, num_server, sync, shm_servers=shm_servers)
-        return [o._replace(body={**o.body, "pull": True}) for o in out], collector
-
+    splits = [split_by_server(item.value.indices, num_server) for item in items]
     legs: list = [([], []) for _ in range(num_server)]
-    for item in items:
+    for item, split in zip(items, splits, strict=True):
         v = item.value
-        for server, pos in enumerate(split_by_server(v.indices, num_server)):
+        for server, pos in enumerate(split):
             keys, arrays = legs[server]
             keys.append((item.key, server))
             if num_server == 1:
                 arrays += [v.indices, np.ascontiguousarray(v.data)]
             else:
                 arrays += [v.indices[pos], v.data[pos]]
-    body = {"sync": sync}
+    body = {"sync": sync} if pulls is None else {"sync": sync, "pull": True}
     out = []
     for s, (keys, arrays) in enumerate(legs):
         shared = ()
@@ -837,7 +830,13 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
             shared = tuple(i for i in range(1, len(arrays), 2) if arrays[i].nbytes >= SHM_FROM)
         wire = [list(x) for x in keys]
         out.append(Outgoing(s, "sparse_push", tuple(keys), wire, body, tuple(arrays), shared))
-    return out
+    if pulls is None:
+        return out
+    wanted = [
+        (pull, item.value.indices, split)
+        for item, pull, split in zip(items, pulls, splits, strict=True)
+    ]
+    return out, RowCollector(wanted, metas)
 
 
 def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
