@@ -58,10 +58,15 @@ def row_server(ids, num_server: int):
     """
     import numpy as np
 
-    ids = np.asarray(ids, np.int64).astype(np.uint64)
+    ids = np.asarray(ids, np.int64)
     with np.errstate(over="ignore"):
-        mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
-    return (mixed % np.uint64(num_server)).astype(np.int64)
+        mixed = ids.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # one new array, then
+    mixed >>= np.uint64(32)  # in place: called on every row message, both ends
+    if num_server & (num_server - 1) == 0:
+        mixed &= np.uint64(num_server - 1)
+    else:
+        mixed %= np.uint64(num_server)
+    return mixed.view(np.int64)
 
 
 def replicas(server: int, num_server: int, count: int, hosts=None) -> list[int]:
