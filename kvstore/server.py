@@ -210,6 +210,8 @@ class Server:
                 self.gate.handle_event()
             if self.sock in events:
                 for _ in range(64):  # drain a burst before looking at anything else
+                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break  # asked, not raised: an exception per wake-up costs more
                     try:
                         identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

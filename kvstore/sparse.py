@@ -462,9 +462,8 @@ class RowTable:
         return out
 
     def _gather(self, slots: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        if out is None:
-            return self.block[slots]
-        return np.take(self.block, slots, axis=0, out=out, mode="clip")  # unbuffered
+        # take, unbuffered (the slots are valid): twice as fast as block[slots]
+        return np.take(self.block, slots, axis=0, out=out, mode="clip")
 
     def pushed_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """:meth:`read` of the ids of a push of the round just applied, without a lookup."""
@@ -820,8 +819,8 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
             keys.append((item.key, server))
             if num_server == 1:
                 arrays += [v.indices, np.ascontiguousarray(v.data)]
-            else:
-                arrays += [v.indices[pos], v.data[pos]]
+            else:  # take (unbuffered: the positions are valid) is twice as fast as [pos]
+                arrays += [v.indices.take(pos), np.take(v.data, pos, axis=0, mode="clip")]
     body = {"sync": sync} if pulls is None else {"sync": sync, "pull": True}
     out = []
     for s, (keys, arrays) in enumerate(legs):
