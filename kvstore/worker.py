@@ -442,7 +442,8 @@ class DistStore(KVStore):
             if self._pull_last.get(where) in self._requests:
                 return None
             self._segments.segments.pop(where).close()
-        return self._segments.get(where, nbytes + nbytes // 4)
+        spare = nbytes + nbytes // 4
+        return self._segments.get(where, spare + -spare % 64)  # the pull region stays aligned
 
     def _pull_regions(self, out: Outgoing) -> list:
         """The indices of ``out``'s keys whose value may come back through the pull region of

@@ -350,6 +350,42 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
         assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "float32", "float64", "complex64"]),
+    dim=st.integers(0, 5),
+    pushes=st.lists(st.lists(st.integers(0, 2 * ROWS - 1), max_size=8), min_size=1, max_size=3),
+    pull=st.lists(st.integers(0, 2 * ROWS - 1), max_size=10),
+    direct=st.booleans(),
+    offset=st.integers(0, 15),
+)
+def test_rows_gathered_into_a_region_are_the_rows_read(dtype, dim, pushes, pull, direct, offset):
+    """What a server writes into a pull region (RowTable.read / pushed_rows with ``out``: a
+    view of raw bytes, misaligned too) is bit for bit what it reads into a new array, for
+    any dtype and dim, pulled ids repeated, unsorted or never pushed, and empty sets; the
+    reader's view of the region (``[:rows * dim].reshape(rows, dim)``) gives them back."""
+    dtype = np.dtype(dtype)
+    table = RowTable(dim, dtype, sparse.uniform(-1, 1, 5), rows=2 * ROWS)
+    if not direct:
+        table.direct = None
+    rng = np.random.default_rng(len(pull))
+    rounds = []
+    for ids in pushes:
+        ids = np.unique(np.array(ids, np.int64))
+        rounds.append((ids, rng.standard_normal((ids.size, dim)).astype(dtype)))
+    table.assign_sums(rounds)
+    region = np.zeros(offset + 16 * 10 * dim * dtype.itemsize, np.uint8)[offset:]  # raw bytes
+    asked = [(ids, table.pushed_rows) for ids, _ in rounds]
+    asked.append((np.array(pull, np.int64), table.read))
+    for ids, gather in asked:
+        want = table.read(ids)
+        need = ids.size * dim * dtype.itemsize
+        got = gather(ids, region[:need].view(dtype).reshape(ids.size, dim))
+        seen = region.view(dtype)[: ids.size * dim].reshape(ids.size, dim)  # the reader's view
+        for rows in (got, seen):
+            assert rows.shape == want.shape and rows.tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("name", ["adam", "sgd", "adagrad"])
 def test_optimizer_states_of_rows_save_and_load(tmp_path, name):
     """save_optimizer_states holds a row-sparse key's state: a store restored from
