@@ -448,7 +448,9 @@ class RowTable:
         """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array,
         or written into ``out`` (returned)."""
         for pushed, slots in self.recent.values():  # a worker's step: push, pull the same ids
-            if pushed.size == ids.size and np.array_equal(pushed, ids):
+            if pushed.size != ids.size or (ids.size and pushed[-1] != ids[-1]):
+                continue  # (one compare rules out most of many workers' pushes)
+            if np.array_equal(pushed, ids):
                 return self._gather(slots, out)
         found, slots = self.find(ids)
         if found.all() and self.count:
@@ -983,7 +985,13 @@ def load_states(updater, tables: dict, blob: bytes, dense: bool = True) -> None:
                 f"({len(states)} states of {ids.size} rows; {updater.optimizer.name} keeps "
                 f"{len(table.states)} of dim {table.dim}): set the optimizer they were saved with"
             )
-        slots = table.slots_of(ids.astype(np.int64))
+        ids = ids.astype(np.int64)
+        if ids.size and not (0 <= ids.min() and ids.max() < table.rows):
+            raise ValueError(
+                f"the optimizer states of row-sparse key {key!r} hold row ids outside "
+                f"[0, {table.rows}): they were saved for another table"
+            )
+        slots = table.slots_of(ids)
         for stored, value in zip(table.states, states, strict=True):
             stored[slots] = value
         updater.counts[key] = count
