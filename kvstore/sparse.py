@@ -333,12 +333,19 @@ class RowTable:
     a read of an absent row returns its initial value without storing it. ``states`` hold the
     optimizer's state, row for row with ``block``; ``changed[slot]`` is the step (rounds
     applied) at which a row last changed. A table of at most :data:`DIRECT_ROWS` logical rows
-    also keeps ``direct[id] = slot + 1`` (0: absent), 4 bytes per logical row (16 MiB at
-    most, its pages made only where ids fall): a lookup is one gather instead of a binary
-    search of ``ids``.
+    also keeps ``direct[id] = slot + 1`` (0: absent) once that map, 4 bytes per logical row,
+    is at most an eighth of its rows' block (``direct_map``: True from the start, False
+    never): a lookup is then one gather instead of a binary search of ``ids``.
     """
 
-    def __init__(self, dim: int, dtype, init: dict | None = None, rows: int = 2**63 - 1):
+    def __init__(
+        self,
+        dim: int,
+        dtype,
+        init: dict | None = None,
+        rows: int = 2**63 - 1,
+        direct_map: bool | None = None,
+    ):
         self.dim, self.dtype, self.rows = int(dim), np.dtype(dtype), int(rows)
         self.init = check_init(init)
         # int32 slots and steps: a server holds fewer than 2**31 rows of a key (that would
@@ -361,8 +368,9 @@ class RowTable:
         # pushpull gather their rows without a second lookup (the ids object is kept, so its
         # id cannot be another array's)
         self.recent: dict = {}
-        # np.zeros: calloc'd, so the pages no id falls in are never made
-        self.direct = np.zeros(self.rows, np.int32) if self.rows <= DIRECT_ROWS else None
+        self.direct = None
+        self._direct_map = direct_map
+        self._make_direct()
 
     def __len__(self) -> int:
         return self.count
@@ -416,8 +424,20 @@ class RowTable:
         self.slots = np.insert(self.slots, at, made)
         if self.direct is not None:
             self.direct[new] = made + 1
+        else:
+            self._make_direct()
         slots[~found] = made
         return slots
+
+    def _make_direct(self) -> None:
+        """Make ``direct`` when it is wanted and worth it (see the class)."""
+        if self._direct_map is False or self.rows > DIRECT_ROWS:
+            return
+        block = self.count * self.dim * self.dtype.itemsize
+        if self._direct_map is None and 32 * self.rows > block:
+            return  # 4 bytes a logical row would be more than an eighth of the rows' block
+        self.direct = np.zeros(self.rows, np.int32)  # calloc'd: pages made where ids fall
+        self.direct[self.ids] = self.slots + 1
 
     def _grow(self, need: int) -> None:
         """Room for ``need`` rows. The arrays grow in place (``realloc``: for a big block,

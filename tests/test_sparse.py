@@ -161,6 +161,25 @@ def test_row_table_matches_a_dict(writes, reads):
     assert len(table) == len(model)  # reads create nothing
 
 
+def test_direct_map_comes_once_it_is_small_beside_the_rows():
+    """A table's direct id map (4 bytes a logical row) is made only once it is at most an
+    eighth of the rows' block, and lookups give the same rows before and after."""
+    table = RowTable(64, np.float32, sparse.uniform(-1, 1, 6), rows=1000)  # 256 B a row
+    first = np.arange(0, 200, 2)
+    table.assign(first, np.full((first.size, 64), 3, np.float32))
+    assert table.direct is None  # 100 rows: 25.6 KB of rows, a map of 4 KB would be more
+    before = table.read(np.arange(1000))
+    more = np.arange(501, 701, 4)
+    table.assign(more, np.full((more.size, 64), 5, np.float32))
+    assert table.direct is not None  # 150 rows: 38.4 KB, the map 4 KB
+    after = table.read(np.arange(1000))
+    changed = np.zeros(1000, bool)
+    changed[more] = True
+    np.testing.assert_array_equal(after[~changed], before[~changed])
+    assert (after[more] == 5).all() and (after[first] == 3).all()
+    assert RowTable(64, np.float32, rows=2**23, direct_map=True).direct is None  # too many
+
+
 @settings(max_examples=80, deadline=None)
 @given(ids=st.lists(st.integers(0, 2**63 - 1), max_size=40), servers=st.integers(1, 5))
 def test_row_split_is_a_partition(ids, servers):
@@ -266,7 +285,7 @@ def test_admission_and_eviction_match_a_model(rounds, admit, evict, direct):
     reads as its initial value. With a direct id map (16 rows) or the sorted index alone."""
     init = sparse.uniform(-1, 1, seed=2)
     spec = {**init, "admit_after": admit, "evict_after": evict}
-    table = RowTable(2, np.float32, spec, rows=16 if direct else 2**63 - 1)
+    table = RowTable(2, np.float32, spec, rows=16, direct_map=direct)
     assert (table.direct is not None) == direct
     stored, counts, last, seen = {}, {}, {}, {}
     for r, ids in enumerate(rounds, 1):
@@ -320,8 +339,7 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
     keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
-    if not direct:
-        keys.tables["k"].direct = None
+    keys.tables["k"] = RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4), ROWS, direct)
     optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
     shape = (ROWS, DIM)
     for n, pushes in enumerate(rounds):
@@ -365,9 +383,7 @@ def test_rows_gathered_into_a_region_are_the_rows_read(dtype, dim, pushes, pull,
     any dtype and dim, pulled ids repeated, unsorted or never pushed, and empty sets; the
     reader's view of the region (``[:rows * dim].reshape(rows, dim)``) gives them back."""
     dtype = np.dtype(dtype)
-    table = RowTable(dim, dtype, sparse.uniform(-1, 1, 5), rows=2 * ROWS)
-    if not direct:
-        table.direct = None
+    table = RowTable(dim, dtype, sparse.uniform(-1, 1, 5), rows=2 * ROWS, direct_map=direct)
     rng = np.random.default_rng(len(pull))
     rounds = []
     for ids in pushes:
