@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import recv_monitor_message
 
 from .config import Config
+from .transport import monitor_event
 
 log = logging.getLogger("kvstore.auth")
 
@@ -274,8 +274,7 @@ class Gate:
         return self.monitor
 
     def handle_event(self) -> None:
-        event = recv_monitor_message(self.monitor)
-        kind, value = event["event"], event["value"]
+        kind, value = monitor_event(self.monitor)
         if kind == zmq.EVENT_ACCEPTED:
             self._addresses[value] = address_of(value)
             if len(self._addresses) > 10_000:  # fds are reused: keep the table small

@@ -22,7 +22,6 @@ import threading
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from . import auth
 from .config import Config
@@ -30,6 +29,7 @@ from .errors import AuthError, KVStoreError, PeerLostError
 from .metrics import NodeMetrics
 from .protocol import Message, decode, encode
 from .timeline import Tracer
+from .transport import monitor_event
 
 log = logging.getLogger("kvstore.control")
 _ids = itertools.count(1)
@@ -163,11 +163,11 @@ class Control:
                     registered = False  # say it once
                 events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
                 if monitor is not None and monitor in events:
-                    event = recv_monitor_message(monitor)
-                    if event["event"] == zmq.EVENT_CONNECTED:
+                    event, value = monitor_event(monitor)
+                    if event == zmq.EVENT_CONNECTED:
                         # this end's address, which the scheduler's gate sees as the peer's:
                         # told with the heartbeats, so a closed connection names its node
-                        self._conn = auth.address_of(event["value"], peer=False)
+                        self._conn = auth.address_of(value, peer=False)
                         next_beat = time.monotonic()  # say it now
                     elif not registered and not refused:
                         refused = True  # ZeroMQ retries; say it once

@@ -210,6 +210,8 @@ class Server:
                 self.gate.handle_event()
             if self.sock in events:
                 for _ in range(64):  # drain a burst before looking at anything else
+                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break  # asked, not raised: an exception per wake-up costs more
                     try:
                         identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -373,18 +375,26 @@ class Server:
             self._count_staleness(req, keys)
         # a same-host worker reads big values from its shared segment, for the keys it says
         # it has no other reply in flight for (so the region is read before it is written)
+        if self._shm_of:
+            for i, region in self._pull_regions(req, keys).items():
+                np.copyto(region.view(arrays[i].dtype), arrays[i])
+                arrays[i] = arrays[i][:0]
+                body.setdefault("shm", []).append(i)
+        self._send(req.identity, Message("data", req.msg.id, self.name, body, arrays), keys)
+
+    def _pull_regions(self, req: Request, keys: list) -> dict:
+        """{key index: pull region} of the keys a request's worker asked to read through
+        their shared segment (``shm_pull``) and has one for."""
         wanted = req.msg.body.get("shm_pull")
-        if self._shm_of and wanted:
-            rank = self._ranks.get(req.identity, -1)
-            for i in wanted:
-                if type(i) is not int or not 0 <= i < len(keys):
-                    continue
+        if not wanted or not isinstance(wanted, list):
+            return {}
+        rank, found = self._ranks.get(req.identity, -1), {}
+        for i in wanted:
+            if type(i) is int and 0 <= i < len(keys):
                 segment = self._shm_of.get((rank, keys[i]))
                 if segment is not None:
-                    np.copyto(segment.pull.view(arrays[i].dtype), arrays[i])
-                    arrays[i] = arrays[i][:0]
-                    body.setdefault("shm", []).append(i)
-        self._send(req.identity, Message("data", req.msg.id, self.name, body, arrays), keys)
+                    found[i] = segment.pull
+        return found
 
     def _count_staleness(self, req: Request, keys: list) -> None:
         """``dist_ssp``: how many of the reader's rounds each read is behind."""
@@ -1132,6 +1142,8 @@ class Server:
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_push: {len(keys)} keys need {2 * len(keys)} arrays")
         sync = bool(msg.body.get("sync", True))
+        if msg.body.get("shm"):
+            self._shared_rows(msg, keys, rank)
         for i, key in enumerate(keys):
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
             self._rows_of(key, ids, data)
@@ -1146,6 +1158,50 @@ class Server:
             if self._took(key, rank, rounds[i], sync, actions):
                 self.rows.add(key, rounds[i], rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
         self._execute(actions)
+
+    def _shared_rows(self, msg: Message, keys: list, rank: int) -> None:
+        """Put in ``msg.arrays`` the rows a same-host worker left in shared segments
+        (``shm``: ``[array index, segment, sequence, segment bytes]``), as read-only views:
+        the worker writes a segment again only once this push is answered, i.e. after its
+        round (the view is not kept past it). A key's bigger segment replaces its last."""
+        entries = msg.body["shm"]
+        if not isinstance(entries, list):
+            raise ValueError("shm: expected a list of [index, segment, sequence, bytes]")
+        for entry in entries:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 4
+                or type(entry[0]) is not int
+                or not 0 <= entry[0] < len(msg.arrays)
+                or entry[0] % 2 != 1
+                or type(entry[2]) is not int
+                or type(entry[3]) is not int
+                or entry[3] < 0
+            ):
+                raise ValueError(f"shm: bad entry {entry!r:.80}")
+            index, name, seq, nbytes = entry
+            key, ids, empty = keys[index // 2], msg.arrays[index - 1], msg.arrays[index]
+            table = self.rows.tables[key]
+            if empty.dtype != table.dtype or empty.shape != (0, table.dim):
+                raise ValueError(
+                    f"key {_show(key)}: got {empty.dtype} rows {empty.shape} through shared "
+                    f"memory, expected (0, {table.dim}) x {table.dtype}"
+                )
+            segment = self._segments.get(name)
+            if segment is None:
+                segment = shm.open_for(name, rank, nbytes)
+                old = self._shm_of.get((rank, key))
+                if old is not None:  # its worker answered and closed it: grown
+                    self._segments.pop(old.name, None)
+                    old.close()
+                self._segments[name] = segment
+            need = ids.size * table.dim * table.dtype.itemsize
+            if segment.nbytes != nbytes or need > nbytes or int(segment.counters[0]) != seq:
+                raise ValueError(f"shm: segment {name} does not hold push {seq} of {_show(key)}")
+            view = segment.push[:need].view(table.dtype).reshape(ids.size, table.dim)
+            view.flags.writeable = False
+            msg.arrays[index] = view
+            self._shm_of[(rank, key)] = segment
 
     def _took(self, key: tuple, rank: int, round_: int, sync: bool, actions: list) -> bool:
         """Whether ``Rounds.push`` took ``rank``'s push of ``key`` (into ``round_``)."""
@@ -1218,14 +1274,23 @@ class Server:
             return
         keys = [tuple(k) for k in msg.body["keys"]]
         body: dict = {"keys": msg.body["keys"]}
-        if msg.kind == "sparse_pull":
-            arrays = [
-                self.rows.tables[k].read(ids) for k, ids in zip(keys, msg.arrays, strict=True)
-            ]
-        elif msg.kind == "sparse_push":  # a pushpull: the rows pushed, after the round
-            arrays = [
-                self.rows.tables[k].pushed_rows(msg.arrays[2 * i]) for i, k in enumerate(keys)
-            ]
+        if msg.kind != "sparse_rows":
+            # a same-host worker reads them from the pull region of the key's segment (it has
+            # no other reply of the key in flight), where they fit: gathered straight there
+            regions = self._pull_regions(req, keys) if self._shm_of else {}
+            pushpull = msg.kind == "sparse_push"  # the rows pushed, after the round
+            arrays = []
+            for i, key in enumerate(keys):
+                table, region = self.rows.tables[key], regions.get(i)
+                ids = msg.arrays[2 * i] if pushpull else msg.arrays[i]
+                out, need = None, ids.size * table.dim * table.dtype.itemsize
+                if region is not None and need <= region.nbytes:
+                    out = region[:need].view(table.dtype).reshape(ids.size, table.dim)
+                rows = table.pushed_rows(ids, out) if pushpull else table.read(ids, out)
+                if out is not None:
+                    body.setdefault("shm", []).append([i, ids.size])
+                    rows = rows[:0]
+                arrays.append(rows)
         else:  # sparse_rows: the rows changed after a step (-1: every row), and the step now
             table = self.rows.tables[keys[0]]
             since = None if msg.body["since"] == -1 else msg.body["since"]

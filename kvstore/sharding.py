@@ -58,10 +58,16 @@ def row_server(ids, num_server: int):
     """
     import numpy as np
 
-    ids = np.asarray(ids, np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
-    return (mixed % np.uint64(num_server)).astype(np.int64)
+    ids = np.asarray(ids, np.int64)
+    # wraps mod 2**64 (array arithmetic never warns); one new array, then in place: this
+    # runs on every row message, at both ends
+    mixed = ids.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    mixed >>= np.uint64(32)
+    if num_server & (num_server - 1) == 0:
+        mixed &= np.uint64(num_server - 1)
+    else:
+        mixed %= np.uint64(num_server)
+    return mixed.view(np.int64)
 
 
 def replicas(server: int, num_server: int, count: int, hosts=None) -> list[int]:

@@ -26,6 +26,12 @@ the pull region (the server writes the value it answers with there)::
   empty array and ``{"shm": [index, ...]}``; the worker reads it on receipt, and has one
   pulling request per key in flight, so the region is never written while it reads.
 
+A row-sparse key's rows use one segment per key and server the same way; its push entry
+adds the segment's size (``[index, name, written, nbytes]``: the rows pushed vary), the rows
+fill the front of the push region, and a reply's rows the front of the pull region
+(``shm: [[index, rows]]``). A push bigger than the segment makes a new one, a quarter
+bigger; the server closes the key's old one when the new name arrives.
+
 Segments are allocated in full when made (``posix_fallocate``): a ``/dev/shm`` too small for
 one (Docker's default is 64 MB) is an ``OSError`` then, and that part goes through TCP,
 instead of a SIGBUS at the first write into a sparse file.

@@ -14,6 +14,7 @@ sent.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import zmq
@@ -61,6 +62,17 @@ def send(
         tracker = sock.send(frame, flags, copy=False, track=True)
         sent.append(Sent(index, tracker))
     return sent
+
+
+def monitor_event(monitor: zmq.Socket) -> tuple[int, int]:
+    """``(event, value)`` of the next event on a ``get_monitor_socket()`` socket: the frame
+    ``zmq_socket_monitor`` writes (16-bit event, 32-bit value), parsed here rather than with
+    ``zmq.utils.monitor``, whose import brings asyncio (7 MiB in every process)."""
+    frames = monitor.recv_multipart()
+    if len(frames) != 2 or len(frames[0]) != 6:
+        raise ValueError(f"not a ZeroMQ monitor event: {frames!r:.80}")
+    event, value = struct.unpack("=hi", frames[0])
+    return event, value
 
 
 def pending(sent: list[Sent]) -> list[Sent]:

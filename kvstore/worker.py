@@ -55,7 +55,7 @@ _MUTATING = frozenset(
     {"init", "push", "pushpull", "optimizer", "set_states"}
     | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 )
-_PULLING = frozenset({"pull", "pushpull"})
+_PULLING = frozenset({"pull", "pushpull", "sparse_pull"})  # and a sparse_push with "pull"
 # Requests every live replica of a part gets its own copy of (or that prove one connection):
 # after a failover, one to a dead server is not sent again.
 _FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth"})
@@ -345,8 +345,9 @@ class DistStore(KVStore):
                 here = out.server not in moved  # else its parts moved: TCP, no segment
                 used = self._to_segments(out, arrays) if out.shared and here else []
                 if used:
-                    body["shm"] = [[i, seg.name, seq] for i, seg, seq in used]
-                pulled = self._pull_regions(out) if out.kind in _PULLING and here else ()
+                    body["shm"] = [entry for _, _, entry in used]
+                pulling = out.kind in _PULLING or out.body.get("pull") is True
+                pulled = self._pull_regions(out) if pulling and here else ()
                 if pulled:
                     body["shm_pull"] = pulled
                 if self._late:
@@ -369,8 +370,8 @@ class DistStore(KVStore):
                     msg if retain else None,
                     self._route[out.server],
                 )
-                for i, _, _ in used:
-                    self._shm_last[out.keys[i]] = msg_id
+                for where, _, _ in used:
+                    self._shm_last[where] = msg_id
                 for i in pulled:
                     self._pull_last[out.keys[i]] = msg_id
                 if collector is not None:
@@ -392,16 +393,24 @@ class DistStore(KVStore):
 
     def _to_segments(self, out: Outgoing, arrays: list) -> list:
         """Move the big slices of ``out`` into their shared segments, where that is possible
-        now: ``[(array index, segment, sequence)]``; the rest go through TCP."""
+        now: ``[((key, part), segment, body entry)]``; the rest go through TCP. A dense
+        part's entry is ``[array index, segment, sequence]``; a ``sparse_push``'s rows (array
+        ``2i + 1``: key ``i``) add the segment's size, which grows with the rows pushed."""
         used = []
+        rows = out.kind == "sparse_push"
         for index in out.shared:
-            where = out.keys[index]
+            where = out.keys[index // 2 if rows else index]
             last = self._shm_last.get(where)
             if where in self._no_segment or (last is not None and last in self._requests):
                 continue  # no room, or the server has not answered the last push: TCP
             piece = arrays[index]
             try:
-                segment = self._segments.get(where, piece.nbytes)
+                if rows:
+                    segment = self._row_segment(where, piece.nbytes)
+                    if segment is None:
+                        continue
+                else:
+                    segment = self._segments.get(where, piece.nbytes)
             except OSError as exc:
                 self._no_segment.add(where)
                 log.warning(
@@ -412,12 +421,31 @@ class DistStore(KVStore):
                     exc.strerror or exc,
                 )
                 continue
-            np.copyto(segment.push.view(piece.dtype), piece)
+            if rows:
+                region = segment.push[: piece.nbytes].view(piece.dtype).reshape(piece.shape)
+                np.copyto(region, piece)
+            else:
+                np.copyto(segment.push.view(piece.dtype), piece)
             seq = int(segment.counters[0]) + 1
             segment.counters[0] = seq
             arrays[index] = piece[:0]  # the dtype travels, the bytes do not
-            used.append((index, segment, seq))
+            entry = [index, segment.name, seq] + ([segment.nbytes] if rows else [])
+            used.append((where, segment, entry))
         return used
+
+    def _row_segment(self, where: tuple, nbytes: int) -> shm.Segment | None:
+        """The segment for a push of ``nbytes`` of rows of ``where``: its own, or a new one
+        with a quarter to spare where that is too small (None, TCP, while a reply may still
+        come through the old one's pull region)."""
+        segment = self._segments.segments.get(where)
+        if segment is not None and segment.nbytes >= nbytes:
+            return segment
+        if segment is not None:
+            if self._pull_last.get(where) in self._requests:
+                return None
+            self._segments.segments.pop(where).close()
+        spare = nbytes + nbytes // 4
+        return self._segments.get(where, spare + -spare % 64)  # the pull region stays aligned
 
     def _pull_regions(self, out: Outgoing) -> list:
         """The indices of ``out``'s keys whose value may come back through the pull region of
@@ -620,11 +648,18 @@ class DistStore(KVStore):
         shared = msg.body.get("shm") or ()
         if shared:
             arrays = list(arrays)
-            for i in shared:
+            for entry in shared:  # a dense part's index, or [index, rows] for rows
+                i, rows = entry if isinstance(entry, list) else (entry, None)
                 key, part = msg.body["keys"][i]
                 segment = self._segments.segments[(key, part)]
-                count = segment.nbytes // arrays[i].dtype.itemsize
-                arrays[i] = segment.pull.view(arrays[i].dtype)[:count]
+                pulled = segment.pull.view(arrays[i].dtype)
+                if rows is None:
+                    arrays[i] = pulled[: segment.nbytes // arrays[i].dtype.itemsize]
+                else:  # the reply's empty (0, dim) array gives the rows' shape
+                    dim = arrays[i].shape[1]
+                    if type(rows) is not int or not 0 <= rows * dim <= pulled.size:
+                        raise ReplyError(f"{rows!r:.20} rows do not fit the shared segment")
+                    arrays[i] = pulled[: rows * dim].reshape(rows, dim)
                 segment.unlink()
         return arrays
 
@@ -772,7 +807,9 @@ class DistStore(KVStore):
 
     @metrics.observed("push")
     def _push_rows(self, items):
-        outgoing = sparse.plan_push(items, len(self._servers), self._sync)
+        outgoing = sparse.plan_push(
+            items, len(self._servers), self._sync, shm_servers=self._planner.shm_servers
+        )
         _, trackers = self._commit("push", outgoing)
         if len(self._servers) > 1:  # the rows sent are copies (split by server): no wait
             return
@@ -783,7 +820,9 @@ class DistStore(KVStore):
         """One message per server: the push, answered with the pushed rows once its round
         is applied."""
         n = len(self._servers)
-        outgoing, collector = sparse.plan_push(items, n, self._sync, pulls, self._sparse)
+        outgoing, collector = sparse.plan_push(
+            items, n, self._sync, pulls, self._sparse, self._planner.shm_servers
+        )
         ids, trackers = self._commit("pushpull", outgoing, collector)
         if n > 1:  # the rows sent are copies (split by server): the replies are enough
             trackers = []

@@ -1,6 +1,6 @@
 """Placement of keys on servers: every element of a key lands in exactly one part."""
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.sharding import place, server_of
@@ -62,3 +62,21 @@ def test_pieces_cover_the_key_once_and_respect_the_limit(
         assert max(lengths) * itemsize <= piece_bytes + itemsize
     else:
         assert parts == place(key, size, num_server, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**63 - 1), max_size=40),
+    servers=st.integers(1, 9),
+    step=st.integers(1, 3),
+)
+def test_row_server_is_the_fibonacci_hash(ids, servers, step):
+    """row_server against the formula in plain integers (its in-place NumPy form must give
+    the same server for every id, any stride, power-of-two server counts or not)."""
+    import numpy as np
+
+    from kvstore.sharding import row_server
+
+    want = [((i * 0x9E3779B97F4A7C15) % 2**64 >> 32) % servers for i in ids[::step]]
+    got = row_server(np.array(ids, np.int64)[::step], servers)
+    assert got.dtype == np.int64 and got.tolist() == want

@@ -161,6 +161,25 @@ def test_row_table_matches_a_dict(writes, reads):
     assert len(table) == len(model)  # reads create nothing
 
 
+def test_direct_map_comes_once_it_is_small_beside_the_rows():
+    """A table's direct id map (4 bytes a logical row) is made only once it is at most an
+    eighth of the rows' block, and lookups give the same rows before and after."""
+    table = RowTable(64, np.float32, sparse.uniform(-1, 1, 6), rows=1000)  # 256 B a row
+    first = np.arange(0, 200, 2)
+    table.assign(first, np.full((first.size, 64), 3, np.float32))
+    assert table.direct is None  # 100 rows: 25.6 KB of rows, a map of 4 KB would be more
+    before = table.read(np.arange(1000))
+    more = np.arange(501, 701, 4)
+    table.assign(more, np.full((more.size, 64), 5, np.float32))
+    assert table.direct is not None  # 150 rows: 38.4 KB, the map 4 KB
+    after = table.read(np.arange(1000))
+    changed = np.zeros(1000, bool)
+    changed[more] = True
+    np.testing.assert_array_equal(after[~changed], before[~changed])
+    assert (after[more] == 5).all() and (after[first] == 3).all()
+    assert RowTable(64, np.float32, rows=2**23, direct_map=True).direct is None  # too many
+
+
 @settings(max_examples=80, deadline=None)
 @given(ids=st.lists(st.integers(0, 2**63 - 1), max_size=40), servers=st.integers(1, 5))
 def test_row_split_is_a_partition(ids, servers):
@@ -258,13 +277,16 @@ def test_memory_grows_with_rows_touched():
     rounds=st.lists(st.lists(st.integers(0, 15), max_size=6), max_size=14),
     admit=st.integers(1, 3),
     evict=st.sampled_from([0, 1, 2, 5]),
+    direct=st.booleans(),
 )
-def test_admission_and_eviction_match_a_model(rounds, admit, evict):
+def test_admission_and_eviction_match_a_model(rounds, admit, evict, direct):
     """A row is stored from the ``admit``-th round that pushes it; a row unchanged for
     ``evict`` rounds is dropped at the next check (every evict // 2 rounds); an absent row
-    reads as its initial value."""
+    reads as its initial value. With a direct id map (16 rows) or the sorted index alone."""
     init = sparse.uniform(-1, 1, seed=2)
-    table = RowTable(2, np.float32, {**init, "admit_after": admit, "evict_after": evict})
+    spec = {**init, "admit_after": admit, "evict_after": evict}
+    table = RowTable(2, np.float32, spec, rows=16, direct_map=direct)
+    assert (table.direct is not None) == direct
     stored, counts, last, seen = {}, {}, {}, {}
     for r, ids in enumerate(rounds, 1):
         ids = sorted(set(ids))
@@ -307,14 +329,17 @@ def test_admission_candidates_age_out():
     rounds=st.lists(st.lists(ids_st, min_size=1, max_size=3), max_size=6),
     sgd=st.booleans(),
     seed=st.integers(0, 2**31),
+    direct=st.booleans(),
 )
-def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
     without an optimizer, summed first with one) leaves the same bits as adding the pushes
-    in rank order and applying the sum; the rows a pushpull answers are its pushed rows."""
+    in rank order and applying the sum; the rows a pushpull answers are its pushed rows.
+    With a direct id map, and with the sorted index alone (as the twin); bit for bit."""
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
     keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
+    keys.tables["k"] = RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4), ROWS, direct)
     optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
     shape = (ROWS, DIM)
     for n, pushes in enumerate(rounds):
@@ -332,10 +357,49 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed):
         touched = np.unique(np.concatenate([v.indices for _, v in values]))
         twin.apply(touched, total[touched], optimizer, n + 1, 0.1)
         table = keys.tables["k"]
+        bits = np.testing.assert_array_equal
         for _, v in values:
-            np.testing.assert_array_equal(table.pushed_rows(v.indices), twin.read(v.indices))
-        np.testing.assert_array_equal(table.read(np.arange(ROWS)), twin.read(np.arange(ROWS)))
+            want = twin.read(v.indices).view(np.uint32)
+            bits(table.pushed_rows(v.indices).view(np.uint32), want)
+            # a pull of the same ids (another array: the step's pull) reads the same rows
+            bits(table.read(v.indices.copy()).view(np.uint32), want)
+        everything = np.arange(ROWS)
+        bits(table.read(everything).view(np.uint32), twin.read(everything).view(np.uint32))
         assert table.changed_since(n)[0].tolist() == twin.changed_since(n)[0].tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "float32", "float64", "complex64"]),
+    dim=st.integers(0, 5),
+    pushes=st.lists(st.lists(st.integers(0, 2 * ROWS - 1), max_size=8), min_size=1, max_size=3),
+    pull=st.lists(st.integers(0, 2 * ROWS - 1), max_size=10),
+    direct=st.booleans(),
+    offset=st.integers(0, 15),
+)
+def test_rows_gathered_into_a_region_are_the_rows_read(dtype, dim, pushes, pull, direct, offset):
+    """What a server writes into a pull region (RowTable.read / pushed_rows with ``out``: a
+    view of raw bytes, misaligned too) is bit for bit what it reads into a new array, for
+    any dtype and dim, pulled ids repeated, unsorted or never pushed, and empty sets; the
+    reader's view of the region (``[:rows * dim].reshape(rows, dim)``) gives them back."""
+    dtype = np.dtype(dtype)
+    table = RowTable(dim, dtype, sparse.uniform(-1, 1, 5), rows=2 * ROWS, direct_map=direct)
+    rng = np.random.default_rng(len(pull))
+    rounds = []
+    for ids in pushes:
+        ids = np.unique(np.array(ids, np.int64))
+        rounds.append((ids, rng.standard_normal((ids.size, dim)).astype(dtype)))
+    table.assign_sums(rounds)
+    region = np.zeros(offset + 16 * 10 * dim * dtype.itemsize, np.uint8)[offset:]  # raw bytes
+    asked = [(ids, table.pushed_rows) for ids, _ in rounds]
+    asked.append((np.array(pull, np.int64), table.read))
+    for ids, gather in asked:
+        want = table.read(ids)
+        need = ids.size * dim * dtype.itemsize
+        got = gather(ids, region[:need].view(dtype).reshape(ids.size, dim))
+        seen = region.view(dtype)[: ids.size * dim].reshape(ids.size, dim)  # the reader's view
+        for rows in (got, seen):
+            assert rows.shape == want.shape and rows.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd", "adagrad"])

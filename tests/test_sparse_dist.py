@@ -45,3 +45,24 @@ def test_checkpoint_of_rows_holds_rows_never_pushed(cluster, kind):
     c = cluster(2, 2)
     outs = c.run_workers("sparse_checkpoint.py", [kind], timeout=120)
     assert all("OK checkpoint rows" in o for o in outs), outs
+
+
+@pytest.mark.parametrize("use", ["1", "0"])
+def test_rows_through_shared_memory_are_exact(cluster, use):
+    """The rows of a same-host worker go through shared segments (grown as pushes grow),
+    with the same results as through TCP, and leave no file behind."""
+    import os
+
+    from kvstore import shm
+
+    def ours():
+        return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("kvs-")}
+
+    before = ours()
+    c = cluster(2, 2, KVSTORE_SHM=use)
+    outs = c.run_workers("sparse_shm.py", [15], timeout=120)
+    for out in outs:
+        assert f"shares memory with {2 if use == '1' else 0} servers" in out, out
+        assert f"rows through {2 if use == '1' else 0} segments; OK 15 steps exact" in out, out
+    c.wait([c.procs["server0"], c.procs["server1"]], 20)
+    assert ours() <= before, ours() - before

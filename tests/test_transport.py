@@ -57,3 +57,34 @@ def test_a_full_peer_queue_raises_again_instead_of_blocking(pair):
     with pytest.raises(zmq.Again):
         for _ in range(100):
             transport.send(a, msg)
+
+
+def test_monitor_event_reads_what_zmq_utils_monitor_reads():
+    """transport.monitor_event parses the monitor frames as pyzmq's own parser does (which
+    kvstore no longer imports: it brings asyncio into every process)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    ctx = zmq.Context()
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        monitor = server.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        client.connect(f"tcp://127.0.0.1:{port}")
+        assert monitor.poll(5000)
+        frames = monitor.recv_multipart(copy=True)
+        pyzmq = parse_monitor_message(frames)
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://monitor-copy")
+        b.connect("inproc://monitor-copy")
+        a.send_multipart(frames)
+        event, value = transport.monitor_event(b)
+        assert (event, value) == (pyzmq["event"], pyzmq["value"]) and event == zmq.EVENT_ACCEPTED
+        a.send_multipart([b"\0", b""])
+        with pytest.raises(ValueError, match="not a ZeroMQ monitor event"):
+            transport.monitor_event(b)
+        for s in (a, b, monitor):
+            s.close(linger=0)
+    finally:
+        server.close(linger=0)
+        client.close(linger=0)
+        ctx.term()
