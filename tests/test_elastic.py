@@ -550,7 +550,8 @@ def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
             proc.kill()
             proc.wait(10)
     out = "".join(seen)
-    assert "the job has finished: stopping worker 1, started too late for it" in out, out
+    assert "the job has finished (every worker in it finished): stopping worker 1," in out, out
+    assert "stopping worker 0" not in out and "stopping worker 2" not in out, out
     assert out.count("launch: started worker 1 ") == 2, out
 
 

@@ -45,6 +45,10 @@ class Supervisor:
     # They normally end within a fraction of a second; a scheduler still running then was
     # never joined by any worker.
     after_workers_grace = 2.0
+    # After an elastic job's scheduler ended it (every worker present finished), how long a
+    # worker still running gets to exit by itself: one started in a freed slot too late
+    # waits for a scheduler that is gone.
+    after_job_grace = 5.0
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
@@ -112,6 +116,7 @@ class Supervisor:
         restarts: list = []  # elastic jobs: (when, worker) to start again
         failures: dict = {}  # elastic jobs: worker name -> when it failed, recently
         aside: list[Proc] = []  # elastic jobs: workers whose slot failed too often
+        done_at = None  # elastic jobs: when the scheduler ended the job
         try:
             while len(ended) < len(self.procs) or restarts:
                 now = time.monotonic()
@@ -130,6 +135,9 @@ class Supervisor:
                         )
                         continue
                     self.start(dataclasses.replace(old, popen=None, last_lines=[]))
+                if done_at is not None and now > done_at + self.after_job_grace:
+                    done_at = None
+                    self._stop_latecomers()
                 if deadline is not None and now > deadline:
                     self.say(f"job still running after {timeout:g}s; stopping it")
                     self.stop()
@@ -145,7 +153,7 @@ class Supervisor:
                 if proc.retired:
                     continue
                 if self.elastic and proc.role == "scheduler" and proc.popen.returncode == 0:
-                    self._stop_latecomers()  # every worker present finished: the job is done
+                    done_at = now  # every worker present finished: the job is done
                     continue
                 if (
                     proc.popen.returncode
@@ -261,11 +269,15 @@ class Supervisor:
         return any(p.role == "scheduler" and p.popen.poll() == 0 for p in self.procs)
 
     def _stop_latecomers(self) -> None:
-        """Workers started (in a freed slot) after the others finished find no job to join:
-        stop them, not to fail later for want of a scheduler."""
+        """Workers still running a while after the scheduler ended the job (started in a
+        freed slot after the others finished) find no job to join: stop them, not to fail
+        later for want of a scheduler."""
         for proc in self._latest_workers():
             if proc.popen.poll() is None:
-                self.say(f"the job has finished: stopping {proc.name}, started too late for it")
+                self.say(
+                    f"the job has finished (every worker in it finished): stopping "
+                    f"{proc.name}, still running {self.after_job_grace:g}s later"
+                )
                 proc.retired = True
                 _signal_group(proc.popen, signal.SIGTERM)
 
