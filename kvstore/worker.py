@@ -712,8 +712,9 @@ class DistStore(KVStore):
 
     def _push_plan(self, kind: str, items) -> Iterator[Outgoing]:
         keys = [item.key for item in items]
-        # the library's own keys (kvstore.elastic's rounds of counts and bytes) go exact
-        compression = None if any(internal(k) for k in keys) else self._compression
+        compression = self._compression
+        if compression is not None and any(internal(k) for k in keys):
+            compression = None  # the library's own keys (kvstore.elastic's counts) go exact
         return self._planner.push(
             kind,
             keys,
