@@ -157,9 +157,26 @@ def _take_into(xp, table, codes, out):
 
 
 def _table2(xp, dtype, threshold):
-    """256 x 4: the values of the four elements that each 2-bit byte codes."""
+    """256 x 4: the values of the four elements that each 2-bit byte codes (on the host made
+    once per dtype and threshold: building it cost as much as quantising a 1 KiB key)."""
+    if xp is np:
+        key = (dtype, float(threshold))
+        table = _tables2.get(key)
+        if table is None:
+            if len(_tables2) >= 64:
+                _tables2.clear()
+            table = _tables2[key] = _make_table2(np, dtype, threshold)
+            table.flags.writeable = False
+        return table
+    return _make_table2(xp, dtype, threshold)
+
+
+def _make_table2(xp, dtype, threshold):
     t = dtype(threshold)
     return xp.asarray([0, t, -t, 0], dtype=dtype)[xp.asarray(_CODES2)]
+
+
+_tables2: dict = {}  # (dtype, threshold) -> the host's table
 
 
 def _table1(xp, dtype, hi, lo):
@@ -188,8 +205,10 @@ def _quantize2(xp, residual, flat, new, t):
     combined into codes and gathered into bytes by one multiply; the values sent are one
     table lookup per byte, subtracted from the piece (r - t, r - (-t) = r + t or r - 0:
     the same floats as the decoder's)."""
-    packed = xp.empty(-(-flat.size // 4), xp.uint8)
     table = _table2(xp, new.dtype.type, t)
+    if xp is np and flat.size <= _SMALL:
+        return _quantize2_small(residual, flat, new, t, table)
+    packed = xp.empty(-(-flat.size // 4), xp.uint8)
     pieces, step = _pieces(xp, flat.size, 4)
     above, below = _buffer(xp, "above", step, bool), _buffer(xp, "below", step, bool)
     words = _buffer(xp, "words", step // 4, xp.uint32)
@@ -212,6 +231,30 @@ def _quantize2(xp, residual, flat, new, t):
         xp.copyto(out, codes, casting="unsafe")
         sent = _take_into(xp, table, out, values[:nbytes])
         xp.subtract(r, sent.reshape(-1)[:n], out=r)
+    return packed
+
+
+# Host arrays up to this many elements are quantised in one piece, without the scratch
+# buffers: a small key's cost is the number of NumPy calls, not its bytes.
+_SMALL = 4096
+
+
+def _quantize2_small(residual, flat, new, t, table):
+    """:func:`_quantize2` for a small host array: the same steps and floats, one piece, in
+    fresh small buffers (looking up the kept scratch buffers cost more than making these)."""
+    n = flat.size
+    nbytes = -(-n // 4)
+    _sum_into(np, residual, flat, new)
+    pos, neg = np.zeros(4 * nbytes, bool), np.zeros(4 * nbytes, bool)
+    np.greater_equal(new, t, out=pos[:n])
+    np.less_equal(new, -t, out=neg[:n])
+    codes = np.left_shift(neg.view(np.uint32), 1)
+    np.bitwise_or(codes, pos.view(np.uint32), out=codes)
+    np.multiply(codes, _GATHER2, out=codes)
+    np.right_shift(codes, 24, out=codes)
+    packed = codes.astype(np.uint8)
+    sent = np.take(table, packed, axis=0, mode="clip")
+    np.subtract(new, sent.reshape(-1)[:n], out=new)
     return packed
 
 
