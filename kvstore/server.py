@@ -400,9 +400,10 @@ class Server:
         # wait until the backups hold what was forwarded (kvstore.replication)
         forwards: dict | None = None if self.chains is None else {}
         answers: list = []
+        tables = self.rows.tables
         for action in actions:
-            if isinstance(action, Apply):
-                if action.key in self.rows.tables:
+            if type(action) is Apply:
+                if tables and action.key in tables:
                     why = self._apply_rows(action)
                     if why:
                         broken[action.key] = why
@@ -418,7 +419,7 @@ class Server:
                     )
                     if entry is not None:  # the backups count the round, apply nothing
                         entry[4] = False
-            elif isinstance(action, Reply):
+            elif type(action) is Reply:
                 why = self._broken_for(action.request, broken) if broken else ""
                 if why:  # the round it waited for was never applied: say so, do not answer
                     self._fail_request(action.request, why)
@@ -426,7 +427,7 @@ class Server:
                     self._reply(action.request)
                 else:
                     answers.append(action.request)
-            elif isinstance(action, Fail):
+            elif type(action) is Fail:
                 self._fail_request(action.request, action.text)
         if forwards:
             self._send_forwards(forwards)
