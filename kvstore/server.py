@@ -44,6 +44,7 @@ from .sparse import SparseKeys, check_init, check_optimizer, dump_states, load_s
 log = logging.getLogger("kvstore.server")
 
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 _SERVER_ID = re.compile(rb"server-(0|[1-9][0-9]{0,8})")
 
 # A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
@@ -215,6 +216,10 @@ class Server:
                     except zmq.Again:
                         break
                     self._handle(identity.bytes, frames)
+                    # ask before the next read: a zmq.Again raised per wake-up cost more
+                    # (pyzmq builds it with imports and enums) than a small request's handling
+                    if not self.sock.getsockopt(_EVENTS) & _POLLIN:
+                        break
             for backup, peer in list(self._peers.items()):
                 if peer in events:
                     self._on_peer_reply(backup, peer)
