@@ -135,32 +135,37 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
     specs, small, big = [], [], []
     carried: dict[int, int] = {}
     packed_at = 0
-    run, run_dtype = None, None  # the open run: its spec's sizes, its dtype
-    arrays = [_contiguous(a) for a in msg.arrays]
-    for index, a in enumerate(arrays):
+    run: list = []  # the open run's arrays (consecutive small 1-D arrays of one dtype)
+    sizes: list = []  # and its spec's sizes
+    for index, a in enumerate(msg.arrays):
+        if type(a) is not np.ndarray:
+            a = np.asarray(a)
         nbytes = a.nbytes
+        if nbytes < PACK_BELOW and a.ndim == 1:
+            if run and a.dtype != run[0].dtype:
+                small.append(_run_bytes(run))
+                run = []
+            if not run:
+                pad = -packed_at % 8
+                if pad:
+                    small.append(bytes(pad))
+                packed_at += pad
+                sizes = []
+                specs.append([a.dtype.str, sizes, packed_at])
+            run.append(a)
+            sizes.append(a.shape[0])
+            packed_at += nbytes
+            continue
+        if run:  # a run holds consecutive arrays
+            small.append(_run_bytes(run))
+            run = []
+        a = _contiguous(a)
         if nbytes >= PACK_BELOW:
-            run = None  # a run holds consecutive arrays
             frame = 1 + len(big)
             specs.append([a.dtype.str, list(a.shape), frame, 0])
             big.append(memoryview(a).cast("B"))
             carried[frame] = index
             continue
-        if a.ndim == 1:
-            dtype = a.dtype.str
-            if run is None or dtype != run_dtype:
-                pad = -packed_at % 8
-                if pad:
-                    small.append(bytes(pad))
-                packed_at += pad
-                run, run_dtype = [], dtype
-                specs.append([dtype, run, packed_at])
-            run.append(a.shape[0])
-            if nbytes:
-                small.append(memoryview(a).cast("B"))
-                packed_at += nbytes
-            continue
-        run = None
         pad = -packed_at % 8
         if pad:
             small.append(bytes(pad))
@@ -169,12 +174,23 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
         # a 0-d or an empty N-d array has no byte view to cast (empty row sets do travel)
         small.append(a.tobytes() if a.ndim == 0 or a.size == 0 else memoryview(a).cast("B"))
         packed_at += nbytes
+    if run:
+        small.append(_run_bytes(run))
     header = msgpack.packb(
         {"v": VERSION, "k": msg.kind, "id": msg.id, "from": msg.sender, "b": msg.body, "a": specs}
     )
     if small:  # after the header, 8-byte aligned: one frame for a message of small arrays
         header = b"".join([header, bytes(-len(header) % 8), *small])
     return [header, *big], carried
+
+
+def _run_bytes(run: list):
+    """A run's arrays back to back: one copy by NumPy (whatever their strides), not a
+    buffer view per array."""
+    if len(run) == 1:
+        a = run[0]
+        return memoryview(_contiguous(a)).cast("B") if a.size else b""
+    return memoryview(np.concatenate(run)).cast("B")
 
 
 def _contiguous(array) -> np.ndarray:

@@ -624,7 +624,7 @@ class Server:
                         f"key {_show(key)}: got {array.size} x {array.dtype}, "
                         f"expected {stored.size} x {stored.dtype}"
                     )
-                grads.append((key, array.reshape(-1)))
+                grads.append((key, array if array.ndim == 1 else array.reshape(-1)))
                 continue
             if array.dtype != np.uint8 or array.size != packed_size(codec.kind, stored.size):
                 raise ValueError(
