@@ -19,7 +19,7 @@ from .compression import Compression
 from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """One key of one call: its values (one per device) and, for pulls, its outputs."""
 
@@ -223,11 +223,20 @@ class KVStore:
                     )
                 per_key[name] = list(given)
         items = []
-        meta_of = self._meta
+        meta_of, arrays, ndarray = self._meta, self._arrays, np.ndarray
+        no_values, no_outs = values is _ABSENT, outs is _ABSENT
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
             meta = meta_of.get(key) if need_init else None
-            given = [] if values is _ABSENT else self._arrays(v, meta, what, key, "value")
-            wanted = [] if outs is _ABSENT else self._arrays(o, meta, what, key, "out")
+            # the common case at once (what _arrays takes first): one host array of the key's
+            # own shape and dtype
+            if meta is not None and type(v) is ndarray and v.dtype == meta.dtype:
+                given = [v] if v.shape == meta.shape else arrays(v, meta, what, key, "value")
+            else:
+                given = [] if no_values else arrays(v, meta, what, key, "value")
+            if meta is not None and type(o) is ndarray and o.dtype == meta.dtype:
+                wanted = [o] if o.shape == meta.shape else arrays(o, meta, what, key, "out")
+            else:
+                wanted = [] if no_outs else arrays(o, meta, what, key, "out")
             if need_init and meta is None:
                 raise KeyError(f"{what}(key={key!r}): key was never initialised; call init first")
             items.append(Item(key, given, wanted))
