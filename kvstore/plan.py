@@ -57,6 +57,7 @@ class Leg(NamedTuple):
     keys: tuple  # ((key, part), ...)
     wire: list  # [[key, part], ...]: the body's "keys" (shared by every message: never changed)
     shared: tuple  # indices of the slices that may travel through a shared segment
+    cuts: tuple = ()  # per slice (item, lo, hi), hi None for a key's whole value (no slice)
 
 
 class Outgoing(NamedTuple):
@@ -130,6 +131,10 @@ class Planner:
                     tuple((s.key, s.part) for s in group),
                     [[s.key, s.part] for s in group],
                     tuple(i for i, s in enumerate(group) if s.shared),
+                    tuple(
+                        (s.item, s.lo, None if len(self.layout[s.key]) == 1 else s.hi)
+                        for s in group
+                    ),
                 )
                 for group in self._messages(slices)
             ]
@@ -192,7 +197,7 @@ class Planner:
             for key, flat in zip(keys, flats, strict=True)
         ]
         for leg in self.route(keys, kind != "init"):
-            pieces = tuple(cast[s.item][s.lo : s.hi] for s in leg.slices)
+            pieces = tuple(cast[i] if hi is None else cast[i][lo:hi] for i, lo, hi in leg.cuts)
             if compression is None:
                 yield Outgoing(leg.server, kind, leg.keys, leg.wire, body, pieces, leg.shared)
                 continue
