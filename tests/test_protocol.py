@@ -141,6 +141,7 @@ def test_truncated_random_prefixes_never_crash():
 # ---- runs: consecutive small 1-D arrays of one dtype share one description
 
 DTYPES = ["<f4", "<f8", "<f2", "|i1", "|u1", "<i2", "<i4", "<i8", "<u8", "|b1", "<c8", "<c16"]
+DTYPES += [">f4", ">i8"]  # another byte order: a run of its own
 
 
 @st.composite
