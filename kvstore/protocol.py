@@ -190,7 +190,8 @@ def _run_bytes(run: list):
     if len(run) == 1:
         a = run[0]
         return memoryview(_contiguous(a)).cast("B") if a.size else b""
-    return memoryview(np.concatenate(run)).cast("B")
+    # the run's own dtype: NumPy would give another byte order its native one
+    return memoryview(np.concatenate(run, dtype=run[0].dtype)).cast("B")
 
 
 def _contiguous(array) -> np.ndarray:

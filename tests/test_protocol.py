@@ -184,6 +184,15 @@ def test_runs_round_trip_exactly(arrays, sender):
     assert len(frames) == 1 + big
 
 
+def test_regression_a_run_of_another_byte_order_keeps_it():
+    """Shrunk by hypothesis: np.concatenate gives big-endian arrays native byte order, so
+    the run's bytes were not what its spec's '>f4' said."""
+    arrays = [np.array([], ">f4"), np.array([-5.752957e15], ">f4")]
+    msg = decode(encode(Message("data", 1, "", {"keys": [[0, 0], [1, 0]]}, arrays)))
+    assert [a.tobytes() for a in msg.arrays] == [a.tobytes() for a in arrays]
+    assert msg.arrays[1].dtype == np.dtype(">f4")
+
+
 def test_a_thousand_small_keys_are_one_run():
     arrays = [np.full(256, i, np.float32) for i in range(1000)]
     frames = encode(Message("push", 1, "w", {"keys": [[i, 0] for i in range(1000)]}, arrays))
