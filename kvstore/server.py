@@ -558,16 +558,20 @@ class Server:
 
     def _keys(self, msg: Message) -> list[tuple]:
         keys = [tuple(k) for k in msg.body["keys"]]
+        unique = set(keys)
         passive = self.backup.passive
-        for key in keys:
-            if key not in self.stored:
-                raise KeyError(f"key {_show(key)} was never initialised on this server")
-            if passive and key in passive:
-                raise KeyError(
-                    f"key {_show(key)} is a backup copy on this server: server "
-                    f"{passive[key][0]} answers for it"
-                )
-        if len(set(keys)) != len(keys):
+        # set operations for the common case; a request they refuse is told about its first
+        # bad key, in order
+        if not unique <= self.stored.keys() or (passive and not unique.isdisjoint(passive)):
+            for key in keys:
+                if key not in self.stored:
+                    raise KeyError(f"key {_show(key)} was never initialised on this server")
+                if passive and key in passive:
+                    raise KeyError(
+                        f"key {_show(key)} is a backup copy on this server: server "
+                        f"{passive[key][0]} answers for it"
+                    )
+        if len(unique) != len(keys):
             raise ValueError("a key appears twice in one request")
         return keys
 
