@@ -93,6 +93,9 @@ class Compression:
     def decode(self, packed, header, size: int, dtype):
         """The dequantised flat array of ``size`` elements."""
         xp = namespace(packed)
+        if self.kind == "1bit" and xp is np and size <= _SMALL:  # no table for a few bytes
+            signs = np.unpackbits(packed, count=size).view(bool)
+            return np.where(signs, dtype(header[0]), dtype(header[1]))
         table = (
             _table2(xp, dtype, header[0]) if self.kind == "2bit" else _table1(xp, dtype, *header)
         )
@@ -269,6 +272,8 @@ def _quantize1(xp, residual, flat, new):
     (``flatnonzero`` then ``take``) is two thirds of the time."""
     if xp is not np:
         return _quantize1_whole(xp, residual, flat, new)
+    if flat.size <= _SMALL:
+        return _quantize1_small(residual, flat, new)
     size = flat.size
     packed = np.empty(-(-size // 8), np.uint8)
     pieces, step = _pieces(np, size, 8)
@@ -290,6 +295,21 @@ def _quantize1(xp, residual, flat, new):
     lo_mean = float(negatives[:nneg].sum()) / nneg if nneg else 0.0
     _subtract_sent1(np, packed, new, pieces, step, hi_mean, lo_mean)
     return packed, hi_mean, lo_mean
+
+
+def _quantize1_small(residual, flat, new):
+    """:func:`_quantize1` for a small host array: the same floats (each mean the sum of the
+    gathered sequence), in whole-array passes without the scratch buffers."""
+    n = flat.size
+    _sum_into(np, residual, flat, new)
+    signs = np.greater_equal(new, 0)
+    packed = np.packbits(signs)
+    npos = int(np.count_nonzero(signs))
+    hi = float(new[signs].sum()) / npos if npos else 0.0
+    lo = float(new[~signs].sum()) / (n - npos) if n - npos else 0.0
+    sent = np.take(_table1(np, new.dtype.type, hi, lo), packed, axis=0, mode="clip")
+    np.subtract(new, sent.reshape(-1)[:n], out=new)
+    return packed, hi, lo
 
 
 def _quantize1_whole(xp, residual, flat, new):
