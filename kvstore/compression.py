@@ -13,7 +13,10 @@ Both halves are written against the array module, so they run on NumPy and CuPy,
 few passes over the gradient (``benchmarks/codec.py`` measures them against ``np.copyto``):
 the worker quantises in pieces that fit the L2 cache (on the host, with scratch buffers kept
 per thread from call to call), and the server decodes with one table lookup per byte (4 or 8
-values), the same floats the worker subtracted.
+values), the same floats the worker subtracted. A small key (up to :data:`_SMALL` elements,
+a training step's many 1 KiB keys) costs the number of NumPy calls, not its bytes: it is
+quantised in whole-array passes without the scratch buffers, with the 2-bit table made once
+per dtype and threshold, and a 1-bit one is decoded without a table.
 
 >>> import numpy as np
 >>> c = Compression.from_params({'type': '2bit', 'threshold': 0.5})
