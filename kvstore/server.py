@@ -44,8 +44,8 @@ from .sparse import SparseKeys, check_init, check_optimizer, dump_states, load_s
 log = logging.getLogger("kvstore.server")
 
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 _SERVER_ID = re.compile(rb"server-(0|[1-9][0-9]{0,8})")
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 
 # A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
 # as zeros, so what every worker pulls is r's bytes whatever the others push (kvstore.torch's
