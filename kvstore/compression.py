@@ -13,7 +13,10 @@ Both halves are written against the array module, so they run on NumPy and CuPy,
 few passes over the gradient (``benchmarks/codec.py`` measures them against ``np.copyto``):
 the worker quantises in pieces that fit the L2 cache (on the host, with scratch buffers kept
 per thread from call to call), and the server decodes with one table lookup per byte (4 or 8
-values), the same floats the worker subtracted.
+values), the same floats the worker subtracted. A small key (up to :data:`_SMALL` elements,
+a training step's many 1 KiB keys) costs the number of NumPy calls, not its bytes: it is
+quantised in whole-array passes without the scratch buffers, with the 2-bit table made once
+per dtype and threshold, and a 1-bit one is decoded without a table.
 
 >>> import numpy as np
 >>> c = Compression.from_params({'type': '2bit', 'threshold': 0.5})
@@ -93,6 +96,9 @@ class Compression:
     def decode(self, packed, header, size: int, dtype):
         """The dequantised flat array of ``size`` elements."""
         xp = namespace(packed)
+        if self.kind == "1bit" and xp is np and size <= _SMALL:  # no table for a few bytes
+            signs = np.unpackbits(packed, count=size).view(bool)
+            return np.where(signs, dtype(header[0]), dtype(header[1]))
         table = (
             _table2(xp, dtype, header[0]) if self.kind == "2bit" else _table1(xp, dtype, *header)
         )
@@ -157,9 +163,26 @@ def _take_into(xp, table, codes, out):
 
 
 def _table2(xp, dtype, threshold):
-    """256 x 4: the values of the four elements that each 2-bit byte codes."""
+    """256 x 4: the values of the four elements that each 2-bit byte codes (on the host made
+    once per dtype and threshold: building it cost as much as quantising a 1 KiB key)."""
+    if xp is np:
+        key = (dtype, float(threshold))
+        table = _tables2.get(key)
+        if table is None:
+            if len(_tables2) >= 64:
+                _tables2.clear()
+            table = _tables2[key] = _make_table2(np, dtype, threshold)
+            table.flags.writeable = False
+        return table
+    return _make_table2(xp, dtype, threshold)
+
+
+def _make_table2(xp, dtype, threshold):
     t = dtype(threshold)
     return xp.asarray([0, t, -t, 0], dtype=dtype)[xp.asarray(_CODES2)]
+
+
+_tables2: dict = {}  # (dtype, threshold) -> the host's table
 
 
 def _table1(xp, dtype, hi, lo):
@@ -188,8 +211,10 @@ def _quantize2(xp, residual, flat, new, t):
     combined into codes and gathered into bytes by one multiply; the values sent are one
     table lookup per byte, subtracted from the piece (r - t, r - (-t) = r + t or r - 0:
     the same floats as the decoder's)."""
-    packed = xp.empty(-(-flat.size // 4), xp.uint8)
     table = _table2(xp, new.dtype.type, t)
+    if xp is np and flat.size <= _SMALL:
+        return _quantize2_small(residual, flat, new, t, table)
+    packed = xp.empty(-(-flat.size // 4), xp.uint8)
     pieces, step = _pieces(xp, flat.size, 4)
     above, below = _buffer(xp, "above", step, bool), _buffer(xp, "below", step, bool)
     words = _buffer(xp, "words", step // 4, xp.uint32)
@@ -215,6 +240,30 @@ def _quantize2(xp, residual, flat, new, t):
     return packed
 
 
+# Host arrays up to this many elements are quantised in one piece, without the scratch
+# buffers: a small key's cost is the number of NumPy calls, not its bytes.
+_SMALL = 4096
+
+
+def _quantize2_small(residual, flat, new, t, table):
+    """:func:`_quantize2` for a small host array: the same steps and floats, one piece, in
+    fresh small buffers (looking up the kept scratch buffers cost more than making these)."""
+    n = flat.size
+    nbytes = -(-n // 4)
+    _sum_into(np, residual, flat, new)
+    pos, neg = np.zeros(4 * nbytes, bool), np.zeros(4 * nbytes, bool)
+    np.greater_equal(new, t, out=pos[:n])
+    np.less_equal(new, -t, out=neg[:n])
+    codes = np.left_shift(neg.view(np.uint32), 1)
+    np.bitwise_or(codes, pos.view(np.uint32), out=codes)
+    np.multiply(codes, _GATHER2, out=codes)
+    np.right_shift(codes, 24, out=codes)
+    packed = codes.astype(np.uint8)
+    sent = np.take(table, packed, axis=0, mode="clip")
+    np.subtract(new, sent.reshape(-1)[:n], out=new)
+    return packed
+
+
 def _quantize1(xp, residual, flat, new):
     """Write ``residual + flat``, less what the signs send, into ``new``; return the packed
     signs and the two means (of the non-negative elements, of the negative ones).
@@ -226,6 +275,8 @@ def _quantize1(xp, residual, flat, new):
     (``flatnonzero`` then ``take``) is two thirds of the time."""
     if xp is not np:
         return _quantize1_whole(xp, residual, flat, new)
+    if flat.size <= _SMALL:
+        return _quantize1_small(residual, flat, new)
     size = flat.size
     packed = np.empty(-(-size // 8), np.uint8)
     pieces, step = _pieces(np, size, 8)
@@ -247,6 +298,21 @@ def _quantize1(xp, residual, flat, new):
     lo_mean = float(negatives[:nneg].sum()) / nneg if nneg else 0.0
     _subtract_sent1(np, packed, new, pieces, step, hi_mean, lo_mean)
     return packed, hi_mean, lo_mean
+
+
+def _quantize1_small(residual, flat, new):
+    """:func:`_quantize1` for a small host array: the same floats (each mean the sum of the
+    gathered sequence), in whole-array passes without the scratch buffers."""
+    n = flat.size
+    _sum_into(np, residual, flat, new)
+    signs = np.greater_equal(new, 0)
+    packed = np.packbits(signs)
+    npos = int(np.count_nonzero(signs))
+    hi = float(new[signs].sum()) / npos if npos else 0.0
+    lo = float(new[~signs].sum()) / (n - npos) if n - npos else 0.0
+    sent = np.take(_table1(np, new.dtype.type, hi, lo), packed, axis=0, mode="clip")
+    np.subtract(new, sent.reshape(-1)[:n], out=new)
+    return packed, hi, lo
 
 
 def _quantize1_whole(xp, residual, flat, new):

@@ -1,16 +1,20 @@
 """Messages and their encoding, without I/O: frames in, :class:`Message` out, and back.
 
 A message is a list of frames: one msgpack header, then the array frames. The header holds
-the protocol version, the kind, a request id, the sender, kind-specific fields and, for every
-array, its dtype, shape, frame and byte offset in that frame::
+the protocol version, the kind, a request id, the sender, kind-specific fields and the
+arrays' descriptions::
 
-    {"v": 2, "k": "push", "id": 7, "from": "worker-0", "b": {"keys": [[3, 0]]},
-     "a": [["<f4", [6], 0, 0]]}
+    {"v": 3, "k": "push", "id": 7, "from": "worker-0", "b": {"keys": [[3, 0]]},
+     "a": [["<f4", [6], 0]]}
 
-An array of at least :data:`PACK_BELOW` bytes travels alone in its own frame, without a copy.
-Smaller ones are packed together (8-byte aligned) into frame 0, right after the header (their
-offsets count from the first multiple of 8 after it): a message of small arrays is one frame,
-and a thousand small keys cost one frame, not a thousand.
+An array of at least :data:`PACK_BELOW` bytes travels alone in its own frame, without a copy,
+described as ``[dtype, shape, frame, 0]``. Smaller ones are packed into frame 0, right after
+the header (offsets count from the first multiple of 8 after it): consecutive 1-D arrays of
+one dtype as one *run*, ``[dtype, [size, ...], offset]``, back to back (each aligned for
+its dtype, as the run starts 8-byte aligned); any other small array as ``[dtype, shape,
+0, offset]``, 8-byte aligned. A message of small arrays is one frame, and a thousand small
+keys of one dtype are one run: one description to write and check, one ``np.frombuffer``
+whose slices are the arrays.
 
 :func:`decode` validates everything and raises :class:`ProtocolError` with a message that
 says what was wrong; arrays come back as read-only ``np.frombuffer`` views of the frames.
@@ -25,11 +29,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 
 import msgpack
 import numpy as np
 
-VERSION = 2
+VERSION = 3
 PACK_BELOW = 16384  # bytes: smaller arrays share the header's frame
 
 _KEY = (int, str)
@@ -140,28 +145,63 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
     specs, small, big = [], [], []
     carried: dict[int, int] = {}
     packed_at = 0
-    arrays = [_contiguous(a) for a in msg.arrays]
-    for index, a in enumerate(arrays):
-        if a.nbytes < PACK_BELOW:
-            pad = -packed_at % 8
-            if pad:
-                small.append(bytes(pad))
-            packed_at += pad
-            specs.append([a.dtype.str, list(a.shape), 0, packed_at])
-            # a 0-d or an empty N-d array has no byte view to cast (empty row sets do travel)
-            small.append(a.tobytes() if a.ndim == 0 or a.size == 0 else memoryview(a).cast("B"))
-            packed_at += a.nbytes
-        else:
+    run: list = []  # the open run's arrays (consecutive small 1-D arrays of one dtype)
+    sizes: list = []  # and its spec's sizes
+    for index, a in enumerate(msg.arrays):
+        if type(a) is not np.ndarray:
+            a = np.asarray(a)
+        nbytes = a.nbytes
+        if nbytes < PACK_BELOW and a.ndim == 1:
+            if run and a.dtype != run[0].dtype:
+                small.append(_run_bytes(run))
+                run = []
+            if not run:
+                pad = -packed_at % 8
+                if pad:
+                    small.append(bytes(pad))
+                packed_at += pad
+                sizes = []
+                specs.append([a.dtype.str, sizes, packed_at])
+            run.append(a)
+            sizes.append(a.shape[0])
+            packed_at += nbytes
+            continue
+        if run:  # a run holds consecutive arrays
+            small.append(_run_bytes(run))
+            run = []
+        a = _contiguous(a)
+        if nbytes >= PACK_BELOW:
             frame = 1 + len(big)
             specs.append([a.dtype.str, list(a.shape), frame, 0])
             big.append(memoryview(a).cast("B"))
             carried[frame] = index
+            continue
+        pad = -packed_at % 8
+        if pad:
+            small.append(bytes(pad))
+        packed_at += pad
+        specs.append([a.dtype.str, list(a.shape), 0, packed_at])
+        # a 0-d or an empty N-d array has no byte view to cast (empty row sets do travel)
+        small.append(a.tobytes() if a.ndim == 0 or a.size == 0 else memoryview(a).cast("B"))
+        packed_at += nbytes
+    if run:
+        small.append(_run_bytes(run))
     header = msgpack.packb(
         {"v": VERSION, "k": msg.kind, "id": msg.id, "from": msg.sender, "b": msg.body, "a": specs}
     )
     if small:  # after the header, 8-byte aligned: one frame for a message of small arrays
         header = b"".join([header, bytes(-len(header) % 8), *small])
     return [header, *big], carried
+
+
+def _run_bytes(run: list):
+    """A run's arrays back to back: one copy by NumPy (whatever their strides), not a
+    buffer view per array."""
+    if len(run) == 1:
+        a = run[0]
+        return memoryview(_contiguous(a)).cast("B") if a.size else b""
+    # the run's own dtype: NumPy would give another byte order its native one
+    return memoryview(np.concatenate(run, dtype=run[0].dtype)).cast("B")
 
 
 def _contiguous(array) -> np.ndarray:
@@ -234,19 +274,28 @@ def _decode(frames: list) -> Message:
     if not isinstance(specs, list):
         raise ProtocolError(f"{kind}: header field 'a' must be a list of arrays")
     frames = len(buffers)
+    used = {0}
     for spec in specs:
+        if type(spec) is list and len(spec) == 3:
+            _check_run(kind, spec)
+            continue
         if type(spec) is not list or len(spec) != 4 or _spec_checked(*spec, frames) is not True:
             _check_spec(kind, spec, frames)  # raises, saying what is wrong
-    used = {spec[2] for spec in specs}
+        used.add(spec[2])
     if used - {0} != set(range(1, len(buffers))):
         raise ProtocolError(
-            f"{kind}: header describes arrays in {len(used)} frames but "
+            f"{kind}: header describes arrays in {len(used - {0})} frames but "
             f"{len(buffers) - 1} array frames arrived (truncated message?)"
         )
-    if kind in _KEYED_ARRAYS and len(specs) != len(body["keys"]):
-        raise ProtocolError(f"{kind}: {len(body['keys'])} keys but {len(specs)} arrays")
     sizes = [memoryview(b).nbytes for b in buffers]
-    arrays = [_array(kind, spec, buffers, sizes, tail) for spec in specs]
+    arrays: list = []
+    for spec in specs:
+        if len(spec) == 3:
+            arrays.extend(_run(kind, spec, buffers[0], sizes[0], tail))
+        else:
+            arrays.append(_array(kind, spec, buffers, sizes, tail))
+    if kind in _KEYED_ARRAYS and len(arrays) != len(body["keys"]):
+        raise ProtocolError(f"{kind}: {len(body['keys'])} keys but {len(arrays)} arrays")
     return Message(kind, msg_id, sender, body, arrays)
 
 
@@ -293,6 +342,41 @@ def _check_spec(kind: str, spec, frames: int) -> None:
             f"{kind}: an array in frame {spec[2]} but {frames - 1} array frames arrived "
             "(truncated message?)"
         )
+
+
+def _check_run(kind: str, spec: list) -> None:
+    """A run ``[dtype, [size, ...], offset]``: consecutive 1-D arrays of one dtype, back to
+    back in frame 0 (the first at ``offset``)."""
+    dtype, sizes, offset = spec
+    if (
+        type(dtype) is not str
+        or len(dtype) > 16
+        or type(sizes) is not list
+        or not set(map(type, sizes)) <= {int}
+        or (sizes and (min(sizes) < 0 or max(sizes) > MAX_DIM))
+        or type(offset) is not int
+        or offset < 0
+    ):
+        raise ProtocolError(
+            f"{kind}: bad array run {spec!r:.200}: expected [dtype, [size, ...], byte offset]"
+        )
+
+
+def _run(kind: str, spec: list, buffer, size: int, tail: int) -> list:
+    """The arrays of a run (checked by :func:`_check_run`): views of one ``np.frombuffer``."""
+    dtype_str, sizes, offset = spec
+    dtype = _plain_dtypes.get(dtype_str)
+    if dtype is None:
+        dtype = _plain_dtype(kind, dtype_str)
+    bounds = list(accumulate(sizes, initial=0))
+    count, offset = bounds[-1], offset + tail
+    if offset + dtype.itemsize * count > size:
+        raise ProtocolError(
+            f"{kind}: a run of {dtype.itemsize * count} bytes at offset {offset} does not fit "
+            f"its frame of {size} bytes (truncated frame?)"
+        )
+    flat = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    return [flat[lo:hi] for lo, hi in pairwise(bounds)]
 
 
 def _check_keys(kind: str, keys: list) -> None:

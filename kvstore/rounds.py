@@ -528,24 +528,40 @@ class Rounds:
         self._open.discard(state.name)
 
     def _advance(self, state: _Key, now: float, actions: list) -> None:
+        # the hot path of a many-key step (once per key and round): _complete, _clear and
+        # _key_ready written out
+        reproducible, requests = self.reproducible, self._requests
         while True:
-            if self.reproducible and state.absent and state.count and state.total is None:
-                self._close_absent(state)
-            if not self._complete(state) or (
+            if reproducible and state.absent and state.count and state.total is None:
+                self._close_absent(state)  # (elastic jobs: newcomers yet to push the key)
+            if not (state.total is not None if reproducible else self._complete(state)) or (
                 state.dead_from is not None and state.done >= state.dead_from
             ):
                 return
-            if self.reproducible:
+            if reproducible:
                 total = state.total
             else:
                 total = state.first if state.count == 1 else state.acc
-            self._clear(state)
-            actions.append(Apply(state.name, total, accumulate=False))
-            state.done += 1
-            for request in state.waiting.pop(state.done, ()):
-                self._key_ready(request, actions)
-            for rank, grad in state.queued.pop(state.done, ()):
-                self._add(state, rank, grad, now)
+            state.first = state.acc = state.total = None
+            state.count = 0
+            self._open.discard(state.name)
+            actions.append(Apply(state.name, total, False))
+            state.done = done = state.done + 1
+            waiting = state.waiting.pop(done, None)
+            if waiting:
+                for request in waiting:
+                    left = requests.get(request)
+                    if left is None:  # failed already
+                        continue
+                    if left == 1:
+                        del requests[request]
+                        actions.append(Reply(request))
+                    else:
+                        requests[request] = left - 1
+            queued = state.queued.pop(done, None)
+            if queued:
+                for rank, grad in queued:
+                    self._add(state, rank, grad, now)
 
     def enter(self, rank: int, now: float) -> list:
         """Newcomer ``rank`` is in every key's rounds from now on, not only from its first

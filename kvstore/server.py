@@ -45,6 +45,7 @@ log = logging.getLogger("kvstore.server")
 
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
 _SERVER_ID = re.compile(rb"server-(0|[1-9][0-9]{0,8})")
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 
 # A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
 # as zeros, so what every worker pulls is r's bytes whatever the others push (kvstore.torch's
@@ -217,6 +218,10 @@ class Server:
                     except zmq.Again:
                         break
                     self._handle(identity.bytes, frames)
+                    # ask before the next read: a zmq.Again raised per wake-up cost more
+                    # (pyzmq builds it with imports and enums) than a small request's handling
+                    if not self.sock.getsockopt(_EVENTS) & _POLLIN:
+                        break
             for backup, peer in list(self._peers.items()):
                 if peer in events:
                     self._on_peer_reply(backup, peer)
@@ -410,9 +415,10 @@ class Server:
         # wait until the backups hold what was forwarded (kvstore.replication)
         forwards: dict | None = None if self.chains is None else {}
         answers: list = []
+        tables = self.rows.tables
         for action in actions:
-            if isinstance(action, Apply):
-                if action.key in self.rows.tables:
+            if type(action) is Apply:
+                if tables and action.key in tables:
                     why = self._apply_rows(action)
                     if why:
                         broken[action.key] = why
@@ -428,7 +434,7 @@ class Server:
                     )
                     if entry is not None:  # the backups count the round, apply nothing
                         entry[4] = False
-            elif isinstance(action, Reply):
+            elif type(action) is Reply:
                 why = self._broken_for(action.request, broken) if broken else ""
                 if why:  # the round it waited for was never applied: say so, do not answer
                     self._fail_request(action.request, why)
@@ -436,7 +442,7 @@ class Server:
                     self._reply(action.request)
                 else:
                     answers.append(action.request)
-            elif isinstance(action, Fail):
+            elif type(action) is Fail:
                 self._fail_request(action.request, action.text)
         if forwards:
             self._send_forwards(forwards)
@@ -564,16 +570,20 @@ class Server:
 
     def _keys(self, msg: Message) -> list[tuple]:
         keys = [tuple(k) for k in msg.body["keys"]]
+        unique = set(keys)
         passive = self.backup.passive
-        for key in keys:
-            if key not in self.stored:
-                raise KeyError(f"key {_show(key)} was never initialised on this server")
-            if passive and key in passive:
-                raise KeyError(
-                    f"key {_show(key)} is a backup copy on this server: server "
-                    f"{passive[key][0]} answers for it"
-                )
-        if len(set(keys)) != len(keys):
+        # set operations for the common case; a request they refuse is told about its first
+        # bad key, in order
+        if not unique <= self.stored.keys() or (passive and not unique.isdisjoint(passive)):
+            for key in keys:
+                if key not in self.stored:
+                    raise KeyError(f"key {_show(key)} was never initialised on this server")
+                if passive and key in passive:
+                    raise KeyError(
+                        f"key {_show(key)} is a backup copy on this server: server "
+                        f"{passive[key][0]} answers for it"
+                    )
+        if len(unique) != len(keys):
             raise ValueError("a key appears twice in one request")
         return keys
 
@@ -638,7 +648,7 @@ class Server:
                         f"key {_show(key)}: got {array.size} x {array.dtype}, "
                         f"expected {stored.size} x {stored.dtype}"
                     )
-                grads.append((key, array.reshape(-1)))
+                grads.append((key, array if array.ndim == 1 else array.reshape(-1)))
                 continue
             if array.dtype != np.uint8 or array.size != packed_size(codec.kind, stored.size):
                 raise ValueError(

@@ -20,7 +20,7 @@ from .protocol import internal
 from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """One key of one call: its values (one per device) and, for pulls, its outputs."""
 
@@ -71,6 +71,9 @@ class RowsItem:
 
 
 _NUMBER_KINDS = "biufc"  # not object, str, bytes, void (structured) or datetime arrays
+
+# Calls on at least this many keys remember their checked key list (see KVStore._seen).
+_SEEN_FROM = 8
 
 # An argument left out, told apart from a None the caller passed (an error, named as such).
 _ABSENT = object()
@@ -138,6 +141,7 @@ class KVStore:
         self._type = kind
         self._meta: dict = {}
         self._key_kind: type | None = None
+        self._seen_lists: set = set()  # key lists already checked (see _seen)
         self._compression: Compression | None = None
         self._pushed = False
         self._sparse: dict = {}  # row-sparse keys -> Meta (kvstore.sparse)
@@ -183,18 +187,24 @@ class KVStore:
         key_list = [keys] if single else list(keys)
         if not key_list:
             raise ValueError(f"{what}: empty list of keys")
-        norm = [_norm_key(k) for k in key_list]
-        kinds = {type(k) for k in norm if not internal(k)}
-        kinds |= {self._key_kind} if self._key_kind else set()
-        if len(kinds) > 1:
-            raise TypeError(
-                f"{what}: int and str keys cannot be mixed in one store "
-                f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
-                f"got {_few(norm)})"
-            )
-        if len(set(norm)) != len(norm):
-            twice = sorted({k for k in norm if norm.count(k) > 1}, key=str)
-            raise ValueError(f"{what}: duplicate keys in one call: {_few(twice)}")
+        norm = self._seen(key_list)
+        if norm is None:
+            norm = [_norm_key(k) for k in key_list]
+            kinds = {type(k) for k in norm if not internal(k)}
+            kinds |= {self._key_kind} if self._key_kind else set()
+            if len(kinds) > 1:
+                raise TypeError(
+                    f"{what}: int and str keys cannot be mixed in one store "
+                    f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
+                    f"got {_few(norm)})"
+                )
+            if len(set(norm)) != len(norm):
+                twice = sorted({k for k in norm if norm.count(k) > 1}, key=str)
+                raise ValueError(f"{what}: duplicate keys in one call: {_few(twice)}")
+            if len(norm) >= _SEEN_FROM and self._key_kind is not None:
+                if len(self._seen_lists) >= 1024:  # key lists that never repeat
+                    self._seen_lists.clear()
+                self._seen_lists.add(tuple(norm))
         per_key = {}
         for name, given in (("values", values), ("out", outs)):
             if given is _ABSENT:
@@ -215,15 +225,35 @@ class KVStore:
                     )
                 per_key[name] = list(given)
         items = []
-        meta_of = self._meta
+        meta_of, arrays, ndarray = self._meta, self._arrays, np.ndarray
+        no_values, no_outs = values is _ABSENT, outs is _ABSENT
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
             meta = meta_of.get(key) if need_init else None
-            given = [] if values is _ABSENT else self._arrays(v, meta, what, key, "value")
-            wanted = [] if outs is _ABSENT else self._arrays(o, meta, what, key, "out")
+            # the common case at once (what _arrays takes first): one host array of the key's
+            # own shape and dtype
+            if meta is not None and type(v) is ndarray and v.dtype == meta.dtype:
+                given = [v] if v.shape == meta.shape else arrays(v, meta, what, key, "value")
+            else:
+                given = [] if no_values else arrays(v, meta, what, key, "value")
+            if meta is not None and type(o) is ndarray and o.dtype == meta.dtype:
+                wanted = [o] if o.shape == meta.shape else arrays(o, meta, what, key, "out")
+            else:
+                wanted = [] if no_outs else arrays(o, meta, what, key, "out")
             if need_init and meta is None:
                 raise KeyError(f"{what}(key={key!r}): key was never initialised; call init first")
             items.append(Item(key, given, wanted))
         return items
+
+    def _seen(self, key_list: list) -> list | None:
+        """``key_list`` when a call already checked these keys (every one of the store's key
+        type, none twice): a training loop's list of many keys is checked once, not every
+        step. Exact types only, so a bool or NumPy integer (equal to an int in a set) is
+        checked, and refused or converted, every time."""
+        if len(key_list) < _SEEN_FROM or self._key_kind is None:
+            return None
+        if set(map(type, key_list)) != {self._key_kind}:
+            return None
+        return key_list if tuple(key_list) in self._seen_lists else None
 
     def _arrays(self, given, meta, what: str, key, role: str) -> list:
         """The arrays of one key of a call, checked against the key's ``meta`` (when known).

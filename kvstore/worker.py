@@ -787,6 +787,9 @@ class DistStore(KVStore):
     def _flat(self, values) -> np.ndarray:
         """The sum of a key's device arrays as one flat, contiguous host array."""
         first = values[0]
+        if len(values) == 1 and type(first) is np.ndarray and first.ndim == 1:
+            if first.flags.c_contiguous:  # the common case: the caller's array itself
+                return first
         if len(values) == 1 and namespace(first) is np and first.flags.c_contiguous:
             return first.reshape(-1)
         total = reduce_sum(values, first.dtype, on_device=self._on_device)

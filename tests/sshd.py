@@ -46,6 +46,9 @@ class PrivateSshd:
         self.client_config.write_text(
             f"Host *\n  Port {self.port}\n  IdentityFile {key}\n  IdentitiesOnly yes\n"
             "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+            # the code under test on the far side too (a checkout beside an installed
+            # kvstore would otherwise run the installed one there): sshd accepts any variable
+            "  SendEnv PYTHONPATH\n"
         )
         Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation directory
         self.proc = subprocess.Popen(

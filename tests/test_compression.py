@@ -131,9 +131,11 @@ def pushes(draw):
 
 def codec_setting(piece):
     """The piece length, and scratch buffers never kept when the piece is 16 (each call
-    allocates its own), kept otherwise."""
+    allocates its own), kept otherwise; the small-array path (one piece, fresh buffers) only
+    with the default piece, so that the others take the piecewise path at every size."""
     keep = 0 if piece == 16 else compression._KEEP_SCRATCH
-    return mock.patch.multiple(compression, _PIECE=piece, _KEEP_SCRATCH=keep)
+    small = compression._SMALL if piece == compression._PIECE else 0
+    return mock.patch.multiple(compression, _PIECE=piece, _KEEP_SCRATCH=keep, _SMALL=small)
 
 
 @settings(max_examples=200, deadline=None)

@@ -51,3 +51,12 @@ def test_scheduler_address_given_as_a_name(cluster):
     c = cluster(1, 2, DMLC_PS_ROOT_URI="localhost")
     outs = c.run_workers("loop.py", [2])
     assert all("round 1" in o for o in outs), outs
+
+
+@pytest.mark.parametrize("num_server,num_worker", [(1, 2), (2, 3)])
+def test_many_small_keys_of_mixed_dtypes_and_shapes(cluster, num_server, num_worker):
+    """300 keys of 7 dtypes and 1-D, N-d, 0-d and big shapes in one pushpull: the runs the
+    protocol packs them in come apart into exact sums."""
+    c = cluster(num_server, num_worker)
+    outs = c.run_workers("mixed_keys.py", [3])
+    assert all("OK after 3 rounds of 300 mixed keys" in o for o in outs), outs

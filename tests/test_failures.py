@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvstore import auth
-from kvstore.protocol import Message, decode, encode
+from kvstore.protocol import VERSION, Message, decode, encode
 
 from .cluster import ROOT, base_env
 
@@ -243,7 +243,10 @@ def test_server_survives_bad_messages(cluster):
         assert node.ask(w).kind == "ack"
         cases = [
             ([b"\xc1garbage"], "not valid msgpack"),
-            ([encode(Message("ack"))[0].replace(b"\xa1v\x02", b"\xa1v\x09")], "version 9"),
+            (
+                [encode(Message("ack"))[0].replace(b"\xa1v" + bytes([VERSION]), b"\xa1v\x09")],
+                "version 9",
+            ),
             (
                 encode(Message("push", 1, "x", {"keys": [["w", 0]]}, [np.ones(5000, "f4")]))[:1],
                 "truncated",

@@ -237,3 +237,20 @@ def test_pushpull_async_in_one_process_is_done_at_once():
     assert pending.done and (out == 1).all()
     pending.wait()  # a second wait is harmless
     assert pending.done
+
+
+def test_a_remembered_key_list_is_still_checked_for_bools_and_numpy_ints():
+    """A call on many keys remembers its checked key list; a list equal to it in a set (True
+    == 1, np.int64(2) == 2) is still checked: a bool refused, NumPy ints converted."""
+    kv = kvstore.create("local")
+    keys = list(range(1, 11))
+    kv.init(keys, [np.zeros(2, np.float32) for _ in keys])
+    outs = [np.empty(2, np.float32) for _ in keys]
+    kv.pull(keys, out=outs)
+    kv.pull(list(keys), out=outs)  # remembered
+    with pytest.raises(TypeError, match="keys must be int or str"):
+        kv.pull([True, *keys[1:]], out=outs)
+    kv.pushpull([np.int64(k) for k in keys], [np.ones(2, np.float32) for _ in keys], out=outs)
+    assert all((o == 1).all() for o in outs)
+    with pytest.raises(ValueError, match="duplicate keys"):
+        kv.pull([*keys[:9], 1], out=outs)

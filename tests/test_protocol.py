@@ -3,8 +3,10 @@
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvstore.protocol import SCHEMA, VERSION, Message, ProtocolError, decode, encode
+from kvstore.protocol import PACK_BELOW, SCHEMA, VERSION, Message, ProtocolError, decode, encode
 
 
 def header(**fields):
@@ -134,3 +136,91 @@ def test_truncated_random_prefixes_never_crash():
         else:  # a changed message that decodes must still describe arrays inside its frames
             assert all(a.nbytes <= sum(len(f) for f in noisy) for a in msg.arrays)
     assert rejected > 150, rejected  # nearly every cut or noisy message is refused
+
+
+# ---- runs: consecutive small 1-D arrays of one dtype share one description
+
+DTYPES = ["<f4", "<f8", "<f2", "|i1", "|u1", "<i2", "<i4", "<i8", "<u8", "|b1", "<c8", "<c16"]
+DTYPES += [">f4", ">i8"]  # another byte order: a run of its own
+
+
+@st.composite
+def array_lists(draw):
+    """Arrays of every kind a message carries: runs of small 1-D ones of a dtype (broken by
+    another dtype, an N-d or 0-d array, an empty one, a big one) in any mix."""
+    arrays = []
+    for _ in range(draw(st.integers(0, 12))):
+        dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+        shape = draw(
+            st.one_of(
+                st.tuples(st.integers(0, 40)),  # 1-D, run material
+                st.tuples(st.integers(0, 40)),
+                st.just(()),  # 0-d
+                st.tuples(st.integers(0, 4), st.integers(0, 4)),  # 2-D
+                st.just((PACK_BELOW // dtype.itemsize + draw(st.integers(0, 3)),)),  # own frame
+            )
+        )
+        seed = draw(st.integers(0, 2**32 - 1))
+        raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dtype.itemsize)
+        arrays.append(np.frombuffer(raw.astype(np.uint8).tobytes(), dtype).reshape(shape))
+    return arrays
+
+
+@settings(max_examples=300, deadline=None)
+@given(array_lists(), st.text(max_size=9))
+def test_runs_round_trip_exactly(arrays, sender):
+    """Every array comes back with its dtype, shape and bytes, whatever runs it was packed
+    in and whatever the header's length modulo 8; packed ones aligned for their dtype."""
+    keys = [[i, 0] for i in range(len(arrays))]
+    frames = encode(Message("data", 9, sender, {"keys": keys}, arrays))
+    msg = decode([bytes(f) for f in frames])
+    assert len(msg.arrays) == len(arrays)
+    for got, want in zip(msg.arrays, arrays, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+        assert got.size == 0 or got.ctypes.data % want.dtype.alignment == 0
+        assert not got.flags.writeable  # views of the frames, as every decoded array
+    big = sum(a.nbytes >= PACK_BELOW for a in arrays)
+    assert len(frames) == 1 + big
+
+
+def test_regression_a_run_of_another_byte_order_keeps_it():
+    """Shrunk by hypothesis: np.concatenate gives big-endian arrays native byte order, so
+    the run's bytes were not what its spec's '>f4' said."""
+    arrays = [np.array([], ">f4"), np.array([-5.752957e15], ">f4")]
+    msg = decode(encode(Message("data", 1, "", {"keys": [[0, 0], [1, 0]]}, arrays)))
+    assert [a.tobytes() for a in msg.arrays] == [a.tobytes() for a in arrays]
+    assert msg.arrays[1].dtype == np.dtype(">f4")
+
+
+def test_a_thousand_small_keys_are_one_run():
+    arrays = [np.full(256, i, np.float32) for i in range(1000)]
+    frames = encode(Message("push", 1, "w", {"keys": [[i, 0] for i in range(1000)]}, arrays))
+    try:
+        msgpack.unpackb(frames[0])
+    except msgpack.ExtraData as extra:
+        header = extra.unpacked
+    assert len(header["a"]) == 1 and header["a"][0][1] == [256] * 1000
+    assert [a[0] for a in decode(frames).arrays] == list(range(1000))
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (["<f4", [1.0], 0], "bad array run"),
+        (["<f4", [True], 0], "bad array run"),
+        (["<f4", [-1], 0], "bad array run"),
+        (["<f4", [2**49], 0], "bad array run"),
+        (["<f4", "2", 0], "bad array run"),
+        (["<f4", [2], -8], "bad array run"),
+        ([4, [2], 0], "bad array run"),
+        (["|O", [2], 0], "not a plain number type"),
+        (["<f4", [2, 1], 0], r"run of 12 bytes at offset \d+ does not fit"),
+        (["<f4", [1], 8], r"run of 4 bytes at offset \d+ does not fit"),
+    ],
+)
+def test_bad_runs(spec, match):
+    frame = header(a=[spec])
+    frame += bytes(-len(frame) % 8) + bytes(8)  # room for 2 float32 after the header
+    with pytest.raises(ProtocolError, match=match):
+        decode([frame])

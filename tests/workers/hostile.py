@@ -96,7 +96,7 @@ def mutate(msg):
         header["b"][rng.choice(list(header["b"]))] = rng.choice(WRONG)
     elif how == 2 and header["a"]:  # an array description gone wrong
         spec = header["a"][0]
-        spec[rng.randrange(4)] = rng.choice(
+        spec[rng.randrange(len(spec))] = rng.choice(  # [dtype, shape, frame, offset] or a run
             [*WRONG, [0, 2**62, 2**62], [1] * 70, 10**12, "|O", "V8", "<U4", [-3], 99]
         )
     elif how == 3:
