@@ -211,17 +211,15 @@ class Server:
                 self.gate.handle_event()
             if self.sock in events:
                 for _ in range(64):  # drain a burst before looking at anything else
-                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        break  # asked, not raised: an exception per wake-up costs more
+                    # asked before each read, not raised: a zmq.Again per wake-up costs more
+                    # (pyzmq builds it with imports and enums) than a small request's handling
+                    if not self.sock.getsockopt(_EVENTS) & _POLLIN:
+                        break
                     try:
                         identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._handle(identity.bytes, frames)
-                    # ask before the next read: a zmq.Again raised per wake-up cost more
-                    # (pyzmq builds it with imports and enums) than a small request's handling
-                    if not self.sock.getsockopt(_EVENTS) & _POLLIN:
-                        break
             for backup, peer in list(self._peers.items()):
                 if peer in events:
                     self._on_peer_reply(backup, peer)
