@@ -380,7 +380,8 @@ def _launch_elastic(
     server_too=False,
     **env,
 ) -> str:
-    """Launch an elastic job (-n 2:3); kill worker 1 once ``kill_after`` is printed (and
+    """Launch an elastic job (-n 2:3) of ``script`` (in tests/workers, or a path) with ``args``;
+    kill worker 1 once ``kill_after`` is printed (and
     with ``server_too`` server 1 when the newcomer starts, so that it registers while the
     servers fail over)."""
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), **env)
@@ -523,33 +524,7 @@ def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
         "    print('step', step, flush=True)\n"
         "    time.sleep(0.05)\n"
     )
-    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1"]
-        + [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    seen: list[str] = []
-    try:
-        for line in proc.stdout:  # bounded: the launcher's own end, and the test's timeout
-            seen.append(line)
-            if line.startswith("[worker 0] step 18"):
-                pid = next(
-                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
-                    for x in seen
-                    if x.startswith("launch: started worker 1 ")
-                )
-                os.kill(pid, 9)
-        assert proc.wait(timeout=30) == 0, "".join(seen)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    out = "".join(seen)
+    out = _launch_elastic(tmp_path, "[worker 0] step 18", script=script, args=())
     assert "the job has finished (every worker in it finished): stopping worker 1," in out, out
     assert "stopping worker 0" not in out and "stopping worker 2" not in out, out
     assert out.count("launch: started worker 1 ") == 2, out
