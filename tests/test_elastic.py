@@ -505,8 +505,8 @@ def test_a_newcomer_registering_while_the_servers_fail_over(tmp_path):
 def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
     """Worker 1 is killed two steps before the end; its replacement (slow to start, as a
     PyTorch script is) comes after the others finished and the scheduler ended the job: the
-    launcher stops it and starts nobody again, and the job ends 0 at once (it used to start
-    replacements for ever, each waiting 65 s for a scheduler that was gone)."""
+    launcher stops it 30 s later and starts nobody again, and the job ends 0 (it used to
+    start replacements for ever, each waiting 65 s for a scheduler that was gone)."""
     script = tmp_path / "train.py"
     script.write_text(
         "import os, sys, time\n"

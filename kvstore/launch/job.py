@@ -47,8 +47,9 @@ class Supervisor:
     after_workers_grace = 2.0
     # After an elastic job's scheduler ended it (every worker present finished), how long a
     # worker still running gets to exit by itself: one started in a freed slot too late
-    # waits for a scheduler that is gone.
-    after_job_grace = 5.0
+    # waits for a scheduler that is gone, while one that closed its store may still be
+    # saving what it trained (long enough for that, short of the newcomer's own 65 s).
+    after_job_grace = 30.0
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
