@@ -43,6 +43,17 @@ def base_env(num_server: int, num_worker: int, port: int | None = None, **extra)
     return env
 
 
+def started_pids(out: str) -> dict:
+    """{'scheduler': pid, 'server 0': pid, ...} from the launcher's 'started' lines (a slot
+    started again: its latest pid)."""
+    pids = {}
+    for line in out.splitlines():
+        if line.startswith("launch: started ") and " (pid " in line:
+            name = line[len("launch: started ") :].split(" on ")[0]
+            pids[name] = int(line.rsplit("(pid ", 1)[1].rstrip(")"))
+    return pids
+
+
 def poll_until(condition, timeout: float, interval: float = 0.05) -> bool:
     """Check ``condition()`` every ``interval`` until it holds or ``timeout`` passes."""
     deadline = time.monotonic() + timeout

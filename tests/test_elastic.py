@@ -27,7 +27,7 @@ from kvstore.membership import Broadcast, Exit, Membership, Send
 from kvstore.protocol import Message
 from kvstore.rounds import Apply, Reply, Rounds
 
-from .cluster import ROOT
+from .cluster import ROOT, started_pids
 
 
 @settings(max_examples=300, deadline=None)
@@ -401,21 +401,11 @@ def _launch_elastic(
         for line in proc.stdout:  # bounded: the launcher's own deadline below ends it
             seen.append(line)
             if not killed and kill_after in line:
-                pid = next(
-                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
-                    for x in seen
-                    if x.startswith("launch: started worker 1 ")
-                )
-                os.kill(pid, 9)
+                os.kill(started_pids("".join(seen))["worker 1"], 9)
                 killed = True
             if server_too and killed and line.startswith("launch: started worker 1 "):
                 server_too = False
-                pid = next(
-                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
-                    for x in seen
-                    if x.startswith("launch: started server 1 ")
-                )
-                os.kill(pid, 9)
+                os.kill(started_pids("".join(seen))["server 1"], 9)
         assert proc.wait(timeout=90) == 0, "".join(seen)
     finally:
         if proc.poll() is None:

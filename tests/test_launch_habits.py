@@ -13,7 +13,7 @@ import pytest
 
 import kvstore
 
-from .cluster import ROOT, poll_until
+from .cluster import ROOT, poll_until, started_pids
 
 
 def launch(*args, cwd=ROOT, env=None, timeout=60):
@@ -36,16 +36,6 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"
 
 
-def _started_pids(out: str) -> dict:
-    """{'scheduler': pid, 'server 0': pid, ...} from the launcher's 'started' lines."""
-    pids = {}
-    for line in out.splitlines():
-        if line.startswith("launch: started ") and " (pid " in line:
-            name = line[len("launch: started ") :].split(" on ")[0]
-            pids[name] = int(line.rsplit("(pid ", 1)[1].rstrip(")"))
-    return pids
-
-
 # ---------------------------------------------------------------- 5: no distributed store
 
 
@@ -61,7 +51,7 @@ def test_job_without_a_distributed_store_ends_at_once():
     assert "[worker 0] trained alone" in out and "[worker 1] trained alone" in out
     assert "no worker created a distributed store" in out
     assert "did you pass --kv-store dist_sync?" in out
-    pids = _started_pids(done.stdout)
+    pids = started_pids(done.stdout)
     assert {"scheduler", "server 0", "server 1", "worker 0", "worker 1"} <= set(pids), out
     for name in ("scheduler", "server 0", "server 1"):  # stopped by the launcher, not left
         pid = pids[name]

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from kvstore.replication import Backup, Primary
 from kvstore.rounds import Apply, Fail, Reply, Rounds
 
-from .cluster import ROOT, Cluster, poll_until
+from .cluster import ROOT, Cluster, poll_until, started_pids
 
 KEY = ("w", 0)
 
@@ -377,12 +377,7 @@ def test_launch_with_replicas_goes_on_when_a_server_is_killed(tmp_path):
                 seen.append(lines.get(timeout=min(left, 1)))
             except queue.Empty:
                 continue
-        pid = next(
-            int(line.rsplit("(pid ", 1)[1].split(")")[0])
-            for line in seen
-            if line.startswith("launch: started server 1 ")
-        )
-        os.kill(pid, signal.SIGKILL)
+        os.kill(started_pids("".join(seen))["server 1"], signal.SIGKILL)
         assert proc.wait(timeout=90) == 0, "".join(seen)
         reader.join(5)
         while not lines.empty():

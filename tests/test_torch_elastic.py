@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import kvstore.torch as hvd  # noqa: E402
 
-from .cluster import ROOT  # noqa: E402
+from .cluster import ROOT, started_pids  # noqa: E402
 
 
 @pytest.fixture
@@ -192,12 +192,7 @@ def test_horovod_s_elastic_mnist_goes_on_when_a_worker_is_killed_and_replaced(tm
         for line in proc.stdout:  # bounded: the test's timeout, and the launcher's end
             seen.append(line)
             if not killed and line.startswith("[worker 1] Train Epoch: 5 "):
-                pid = next(
-                    int(x.rsplit("(pid ", 1)[1].split(")")[0])
-                    for x in seen
-                    if x.startswith("launch: started worker 1 ")
-                )
-                os.kill(pid, 9)
+                os.kill(started_pids("".join(seen))["worker 1"], 9)
                 killed = True
         assert proc.wait(timeout=60) == 0, "".join(seen)
     finally:
