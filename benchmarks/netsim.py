@@ -6,7 +6,9 @@ colocated layout BytePS deploys), the scheduler on the first.
 
 For each link rate it measures, per worker: ``dist_sync`` pushpull, the same with 2-bit and
 1-bit compression, and gloo's ``all_reduce`` between the two hosts (when torch is installed),
-and prints one JSON line per measurement and a table. With ``--torch-step`` it measures
+and prints one JSON line per measurement and a table. ``--compressions`` picks the kvstore
+rows (``none``, ``2bit``, ``1bit``, and ``2bit+pull``, ``1bit+pull``: the pulls compressed
+too, ``{'pull': True}``). With ``--torch-step`` it measures
 instead ``benchmarks/torch_step.py``'s kvstore.torch step (one worker per host), float32
 and ``Compression.fp16``:
 
@@ -250,6 +252,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-gloo", action="store_true")
+    p.add_argument(
+        "--compressions",
+        default="none,2bit,1bit,2bit+pull,1bit+pull",
+        help="kvstore rows: none, 2bit, 1bit, 2bit+pull, 1bit+pull (comma-separated)",
+    )
     p.add_argument("--torch-step", action="store_true", help="the torch step only (fp32, fp16)")
     p.add_argument("--batch-size", type=int, default=16, help="per worker, for --torch-step")
     p.add_argument("--steps", type=int, default=10, help="timed steps, for --torch-step")
@@ -263,7 +270,8 @@ def main(argv=None) -> int:
     rows = []
     for rate in args.rates.split(","):
         with Link(rate):
-            for compression in (None, "2bit", "1bit"):
+            for name in args.compressions.split(","):
+                compression = None if name == "none" else name
                 for r in run_kvstore(args, compression):
                     r["config"] = f"{rate} {r['config']}"
                     rows.append(r)

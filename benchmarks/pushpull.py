@@ -56,10 +56,13 @@ def worker_main(args) -> int:
     import kvstore
 
     kv = kvstore.create(args.mode)
-    if args.compression:
-        params = {"type": args.compression}
-        if args.compression == "2bit":
+    if args.compression:  # 2bit, 1bit; "+pull": compressed pulls too
+        scheme, _, pull = args.compression.partition("+")
+        params = {"type": scheme}
+        if scheme == "2bit":
             params["threshold"] = 0.5
+        if pull:
+            params["pull"] = True
         kv.set_gradient_compression(params)
     sizes = parse_sizes(args.sizes)
     results = []

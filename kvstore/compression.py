@@ -42,6 +42,7 @@ _KINDS = ("2bit", "1bit")
 class Compression:
     kind: str
     threshold: float = 0.5
+    pull: bool = False  # the servers' replies are compressed too (see PullCodes)
 
     @classmethod
     def from_params(cls, params: dict) -> Compression:
@@ -53,7 +54,7 @@ class Compression:
         kind = params["type"]
         if kind not in _KINDS:
             raise ValueError(f"unknown gradient compression type {kind!r}; valid: {_KINDS}")
-        extra = set(params) - {"type", "threshold"}
+        extra = set(params) - {"type", "threshold", "pull"}
         if extra or (kind == "1bit" and "threshold" in params):
             raise ValueError(
                 f"unknown gradient compression parameters for {kind}: "
@@ -62,15 +63,21 @@ class Compression:
         threshold = params.get("threshold", 0.5)
         if kind == "2bit" and (not isinstance(threshold, (int, float)) or not threshold > 0):
             raise ValueError(f"2bit compression: threshold must be a number > 0, got {threshold!r}")
-        return cls(kind, float(threshold))
+        pull = params.get("pull", False)
+        if type(pull) is not bool:
+            raise ValueError(f"gradient compression: 'pull' must be True or False, got {pull!r}")
+        return cls(kind, float(threshold), pull)
 
     def params(self) -> dict:
         """What :meth:`from_params` takes back (sent to the servers with each push)."""
-        return (
+        params = (
             {"type": self.kind, "threshold": self.threshold}
             if self.kind == "2bit"
             else {"type": self.kind}
         )
+        if self.pull:
+            params["pull"] = True
+        return params
 
     def encode(self, residuals: dict, rkey, grad):
         """Add ``grad`` to the residual of ``rkey``, quantise it, keep the error.
@@ -93,21 +100,95 @@ class Compression:
         packed, hi, lo = _quantize1(xp, residual, flat, new)
         return packed, [hi, lo], new
 
-    def decode(self, packed, header, size: int, dtype):
-        """The dequantised flat array of ``size`` elements."""
+    def decode(self, packed, header, size: int, dtype, out=None):
+        """The dequantised flat array of ``size`` elements (written into the flat host array
+        ``out`` when given, and returned)."""
         xp = namespace(packed)
         if self.kind == "1bit" and xp is np and size <= _SMALL:  # no table for a few bytes
             signs = np.unpackbits(packed, count=size).view(bool)
-            return np.where(signs, dtype(header[0]), dtype(header[1]))
+            values = np.where(signs, dtype(header[0]), dtype(header[1]))
+            if out is None:
+                return values
+            np.copyto(out, values)
+            return out
         table = (
             _table2(xp, dtype, header[0]) if self.kind == "2bit" else _table1(xp, dtype, *header)
         )
-        return xp.take(table, packed, axis=0).reshape(-1)[:size]
+        per = table.shape[1]
+        if out is not None and size == packed.size * per:  # straight into out, no temporary
+            _take_into(xp, table, packed, out.reshape(-1, per))
+            return out
+        values = xp.take(table, packed, axis=0).reshape(-1)[:size]
+        if out is None:
+            return values
+        xp.copyto(out, values)
+        return out
+
+    def check_header(self, header) -> bool:
+        """Whether ``header`` (off the wire) is one this codec's :meth:`decode` takes."""
+        return (
+            isinstance(header, list)
+            and len(header) == (1 if self.kind == "2bit" else 2)
+            and all(type(v) in (int, float) for v in header)
+        )
 
     def roundtrip(self, residuals: dict, rkey, grad):
         """What the servers will see of ``grad``: encode then decode (for in-process stores)."""
         packed, header = self.encode(residuals, rkey, grad)
         return self.decode(packed, header, grad.size, grad.dtype.type).reshape(grad.shape)
+
+
+class PullCodes:
+    """The servers' side of compressed pulls (``{'pull': True}``).
+
+    The value a round's sum leaves in a key part is quantised once, at the first reply that
+    asks for it, with error feedback kept per key part (what quantising one round's sum lost
+    is added to the next round's before it is quantised), and every reply of that round
+    carries the same codes: every worker reads the same floats. Only a round's sum is sent
+    as codes; a value that init, an optimizer or an async push left goes exact.
+
+    >>> codes, c = PullCodes(), Compression.from_params({'type': '2bit', 'pull': True})
+    >>> codes.codes('w', np.array([0.7, 0.2], np.float32), c) is None  # not a round's sum
+    True
+    >>> codes.summed('w')
+    >>> packed, header = codes.codes('w', np.array([0.7, 0.2], np.float32), c)
+    >>> c.decode(packed, header, 2, np.float32)
+    array([0.5, 0. ], dtype=float32)
+    """
+
+    def __init__(self):
+        self._rounds: dict = {}  # key -> rounds summed, while its value is a round's sum
+        self._codes: dict = {}  # key -> (rounds summed, codec, packed, header)
+        self._residuals: dict = {}  # key -> what quantising its last sum lost
+
+    def summed(self, key) -> None:
+        """A round's sum is now the value of ``key``."""
+        self._rounds[key] = self._rounds.get(key, 0) + 1
+
+    def changed(self, key) -> None:
+        """Something other than a round's sum wrote ``key`` (an optimizer, an async push)."""
+        if self._rounds.pop(key, None) is not None:
+            self._codes.pop(key, None)
+            self._residuals.pop(key, None)
+
+    def codes(self, key, value, codec: Compression):
+        """``(packed, header)`` of the round's sum ``value`` of ``key``, the same for every
+        reply of that round; None when the value is not a round's sum."""
+        n = self._rounds.get(key)
+        if n is None:
+            return None
+        made = self._codes.get(key)
+        if made is not None and made[0] == n:
+            if made[1] != codec:
+                raise ValueError(
+                    f"workers pulled one round with different gradient compressions "
+                    f"({made[1].params()} and {codec.params()}): every worker of a job must "
+                    "call set_gradient_compression with the same parameters"
+                )
+            return made[2], made[3]
+        packed, header, self._residuals[key] = codec.quantize(self._residuals.get(key), value)
+        self._codes[key] = (n, codec, packed, header)
+        return packed, header
 
 
 def packed_size(kind: str, size: int) -> int:

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .arrays import copy_into, namespace
+from .compression import Compression, packed_size
 from .sharding import place
 
 SHM_FROM = 65536  # bytes: a slice at least this big may go through a shared segment
@@ -163,9 +164,15 @@ class Planner:
         return groups
 
     # ---- calls
-    def pull(self, keys) -> list[Outgoing]:
+    def pull(self, keys, compression: Compression | None = None) -> list[Outgoing]:
+        """With ``compression`` (compressed pulls), the servers may answer with codes."""
+        body = (
+            self._mode
+            if compression is None
+            else {**self._mode, "compression": compression.params()}
+        )
         return [
-            Outgoing(leg.server, "pull", leg.keys, leg.wire, self._mode, ())
+            Outgoing(leg.server, "pull", leg.keys, leg.wire, body, ())
             for leg in self.route(tuple(keys), False)
         ]
 
@@ -247,10 +254,12 @@ class Collector:
     ``outs`` is one list of output arrays per key (the first is written directly when it is
     a contiguous host array of the stored dtype, else a staging array is; :meth:`finish`
     copies to the rest). :meth:`expect` registers a sent request, :meth:`receive` writes a
-    reply's slices, :meth:`cancel` stops all writing."""
+    reply's slices (decoding those that came as codes, with ``codec``: compressed pulls),
+    :meth:`cancel` stops all writing."""
 
-    def __init__(self, planner: Planner, keys, outs, shapes):
+    def __init__(self, planner: Planner, keys, outs, shapes, codec: Compression | None = None):
         self.cancelled = False
+        self._codec = codec  # compressed pulls: decodes the replies that come as codes
         self.reason = ""
         self._targets: dict = {}
         self._staged = []
@@ -278,37 +287,93 @@ class Collector:
     def waiting(self) -> set:
         return set(self._expected)
 
-    def receive(self, request: int, keys, arrays) -> None:
-        """Write a reply's slices (``arrays`` in the order of ``keys``). A reply of a cancelled
-        call, or one that was not expected, writes nothing; one that answers something else
-        than was asked raises :class:`ReplyError` and writes nothing."""
+    def receive(self, request: int, keys, arrays, codes=None) -> None:
+        """Write a reply's slices (``arrays`` in the order of ``keys``; ``codes``, the reply's
+        ``[[index, header], ...]``, says which came as codes). A reply of a cancelled call, or
+        one that was not expected, writes nothing; one that answers something else than was
+        asked raises :class:`ReplyError` and writes nothing."""
         asked = self._expected.pop(request, None)
         if asked is None or self.cancelled:
             return
         if len(keys) != len(asked) or len(arrays) != len(asked):
             self.cancel()
             raise ReplyError(f"the reply holds {len(keys)} keys, expected {len(asked)}")
+        coded = self._coded(codes, len(asked)) if codes else {}
         writes = []
-        for (key, part), got, array in zip(asked, keys, arrays, strict=True):
+        for i, ((key, part), got, array) in enumerate(zip(asked, keys, arrays, strict=True)):
             if got[0] != key or got[1] != part:
                 self.cancel()
                 raise ReplyError(f"the reply holds key {got!r:.60}, expected {[key, part]}")
             flat, parts = self._targets[key]
             lo, hi = parts[part]
+            header = coded.get(i) if coded else None
+            if header is not None:
+                nbytes = packed_size(self._codec.kind, hi - lo)
+                if array.dtype != np.uint8 or array.size != nbytes:
+                    self.cancel()
+                    raise ReplyError(
+                        f"key {key!r} part {part}: got {array.size} x {array.dtype} of codes, "
+                        f"expected {nbytes} x uint8"
+                    )
+                writes.append((flat, lo, hi, array, header))
+                continue
             if array.dtype != flat.dtype or array.size != hi - lo:
                 self.cancel()
                 raise ReplyError(
                     f"key {key!r} part {part}: got {array.size} x {array.dtype}, "
                     f"expected {hi - lo} x {flat.dtype}"
                 )
-            writes.append((flat, lo, hi, array))
-        for flat, lo, hi, array in writes:
+            writes.append((flat, lo, hi, array, None))
+        for flat, lo, hi, array, header in writes:
+            if header is not None:
+                self._codec.decode(array, header, hi - lo, flat.dtype.type, out=flat[lo:hi])
+                continue
             if array.ndim != 1:
                 array = array.reshape(-1)
             if lo == 0 and hi == flat.shape[0]:  # a small key whole: 5x cheaper than a slice
                 flat[...] = array
             else:
                 flat[lo:hi] = array
+
+    def _coded(self, codes, count: int) -> dict:
+        """``{index: header}`` from a reply's ``codes``, checked."""
+        codec = self._codec
+        if codec is None or not isinstance(codes, list):
+            self.cancel()
+            raise ReplyError("the reply holds codes, and this call asked for none")
+        coded = {}
+        for entry in codes:
+            if (
+                type(entry) is not list
+                or len(entry) != 2
+                or type(entry[0]) is not int
+                or not 0 <= entry[0] < count
+                or not codec.check_header(entry[1])
+            ):
+                self.cancel()
+                raise ReplyError(f"bad codes entry {entry!r:.60}")
+            coded[entry[0]] = entry[1]
+        return coded
+
+    def _coded(self, codes, count: int) -> dict:
+        """``{index: header}`` from a reply's ``codes``, checked."""
+        codec = self._codec
+        if codec is None or not isinstance(codes, list):
+            self.cancel()
+            raise ReplyError("the reply holds codes, and this call asked for none")
+        coded = {}
+        for entry in codes:
+            if (
+                type(entry) is not list
+                or len(entry) != 2
+                or type(entry[0]) is not int
+                or not 0 <= entry[0] < count
+                or not codec.check_header(entry[1])
+            ):
+                self.cancel()
+                raise ReplyError(f"bad codes entry {entry!r:.60}")
+            coded[entry[0]] = entry[1]
+        return coded
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Write nothing more; ``reason`` says why (a finisher raises it)."""

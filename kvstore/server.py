@@ -30,7 +30,7 @@ import zmq
 
 from . import auth, metrics, shm, transport
 from . import optimizer as opt
-from .compression import Compression, packed_size
+from .compression import Compression, PullCodes, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
@@ -104,6 +104,7 @@ class Server:
         self.num_workers = cfg.num_worker
         self.stored: dict[tuple, np.ndarray] = {}  # (key, part) -> flat value
         self.sending: dict[tuple, list] = {}  # (key, part) -> sends still reading it
+        self.pull_codes = PullCodes()  # compressed pulls: each round's sum quantised once
         self.rounds = Rounds(
             self.num_workers, cfg.round_timeout, describe=_show, reproducible=cfg.reproducible
         )
@@ -353,7 +354,7 @@ class Server:
             log.warning("%s: reply to %r lost: %s", self.name, identity, exc.strerror)
             return
         for s in sent:  # a reply of stored arrays: updates must not write into them
-            if keys is not None:
+            if keys is not None and keys[s.array] is not None:
                 busy = self.sending.get(keys[s.array])
                 if busy is None:
                     self.sending[keys[s.array]] = [s]
@@ -376,14 +377,35 @@ class Server:
         arrays, body = [self.stored[k] for k in keys], {"keys": req.msg.body["keys"]}
         if "ssp" in req.msg.body:
             self._count_staleness(req, keys)
+        comp = req.msg.body.get("compression")
+        coded = self._coded(keys, arrays, comp) if comp and comp.get("pull") is True else {}
+        sends = keys
+        if coded:  # fresh codes, not the stored arrays
+            body["codes"] = [[i, header] for i, header in coded.items()]
+            sends = [None if i in coded else k for i, k in enumerate(keys)]
         # a same-host worker reads big values from its shared segment, for the keys it says
         # it has no other reply in flight for (so the region is read before it is written)
         if self._shm_of:
             for i, region in self._pull_regions(req, keys).items():
+                if i in coded:  # every worker reads the same codes
+                    continue
                 np.copyto(region.view(arrays[i].dtype), arrays[i])
                 arrays[i] = arrays[i][:0]
                 body.setdefault("shm", []).append(i)
-        self._send(req.identity, Message("data", req.msg.id, self.name, body, arrays), keys)
+        self._send(req.identity, Message("data", req.msg.id, self.name, body, arrays), sends)
+
+    def _coded(self, keys: list, arrays: list, params) -> dict:
+        """``{index: header}`` of the reply's values that go as codes (compressed pulls:
+        ``arrays[index]`` replaced by them); the values that are not a round's sum go exact."""
+        if self.chains is not None:
+            raise ValueError("compressed pulls are not available with KVSTORE_REPLICAS > 1")
+        codec = Compression.from_params(params)
+        coded = {}
+        for i, key in enumerate(keys):
+            codes = self.pull_codes.codes(key, arrays[i], codec)
+            if codes is not None:
+                arrays[i], coded[i] = codes
+        return coded
 
     def _pull_regions(self, req: Request, keys: list) -> dict:
         """{key index: pull region} of the keys a request's worker asked to read through
@@ -484,9 +506,11 @@ class Server:
             if self._shm_of and _in_segment(value):  # a lone push through shared memory
                 value = value.copy()
             self.stored[key] = value  # the round's sum becomes the value, uncopied
+            self.pull_codes.summed(key)
             if not busy:
                 self.rounds.give_back(key, old)
             return
+        self.pull_codes.changed(key)
         target = old if old.flags.writeable and not busy else old.copy()
         if updater is not None:
             updater(key, value, target)

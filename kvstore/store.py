@@ -420,9 +420,35 @@ class KVStore:
         """``{'type': '2bit', 'threshold': 0.5}`` or ``{'type': '1bit'}``: every push from now
         on is compressed (with error feedback from zero), whatever keys exist already; as in
         MXNet, whose nightly test sets it after other keys were initialised and pushed.
-        Every worker of a job must set the same."""
-        self._compression = Compression.from_params(params)
+        Every worker of a job must set the same.
+
+        ``'pull': True`` compresses the pulls too (as BytePS does; MXNet compresses pushes
+        only): the servers quantise each round's sum once, with their own error feedback,
+        and every worker reads the same dequantised floats. For sums of gradients (no
+        optimizer on the servers) in ``dist_sync``: a value that init or an optimizer left
+        is never quantised, and ``set_optimizer`` is refused while it is on."""
+        compression = Compression.from_params(params)
+        if compression.pull:
+            self._check_pull_compression()
+        self._compression = compression
         self._residuals = {}
+
+    def _check_pull_compression(self) -> None:
+        """Raise where compressed pulls do not apply: a store whose updates run in it."""
+        if getattr(self, "_optimizer", None) is not None or getattr(self, "_updater", None):
+            raise ValueError(
+                "compressed pulls ({'pull': True}) send the sum of a round's gradients "
+                "quantised; with an optimizer in the store a pull reads weights, which "
+                "quantising would destroy: drop 'pull', or update the weights on the workers"
+            )
+
+    def _refuse_pull_compression(self, what: str) -> None:
+        if self._compression is not None and self._compression.pull:
+            raise ValueError(
+                f"{what}: gradient compression with 'pull': True is on, and compressed pulls "
+                "carry sums of gradients, not weights; set the optimizer first, without "
+                "'pull' in set_gradient_compression"
+            )
 
     def row_sparse_pull(self, key, out=None, priority: int = 0, row_ids=None) -> None:
         """Pull only the rows ``row_ids`` of each key into ``out``; the other rows of ``out``
@@ -848,6 +874,11 @@ class LocalStore(KVStore):
                 grad = moved
             if self._updater is None:
                 copy_into(stored, grad)
+                if self._compression is not None and self._compression.pull:
+                    # what a pull through the servers reads: the sum, quantised once
+                    copy_into(
+                        stored, self._compression.roundtrip(self._residuals, (item.key,), stored)
+                    )
             else:
                 self._updater(item.key, grad, stored)
 
@@ -864,6 +895,7 @@ class LocalStore(KVStore):
                 f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
+        self._refuse_pull_compression("set_optimizer")
         self._updater = opt.Updater(optimizer)
         self._optimizer = optimizer
 
@@ -871,6 +903,7 @@ class LocalStore(KVStore):
         """Use ``updater(key, grad, weight)`` (updating ``weight`` in place) on every push."""
         if not callable(updater):
             raise TypeError("set_updater: expected a callable updater(key, grad, weight)")
+        self._refuse_pull_compression("set_updater")
         self._updater = updater
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:

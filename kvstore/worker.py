@@ -633,7 +633,9 @@ class DistStore(KVStore):
             raise kind(text)
         if request.collector is not None:
             try:
-                request.collector.receive(msg.id, msg.body["keys"], self._read(msg, request))
+                request.collector.receive(
+                    msg.id, msg.body["keys"], self._read(msg, request), msg.body.get("codes")
+                )
             except (ReplyError, KeyError, IndexError, TypeError) as exc:
                 self._drop(request.collector, f"bad reply: {exc}")
                 raise KVStoreError(
@@ -757,7 +759,11 @@ class DistStore(KVStore):
     @metrics.observed("pull")
     def _pull(self, items):
         collector = self._collector(items)
-        ids, _ = self._commit("pull", self._planner.pull([item.key for item in items]), collector)
+        keys = [item.key for item in items]
+        compression = self._compression
+        if compression is not None and (not compression.pull or any(internal(k) for k in keys)):
+            compression = None  # only compressed pulls say it; the library's keys go exact
+        ids, _ = self._commit("pull", self._planner.pull(keys, compression), collector)
         self._collect("pull", ids, [], collector)
 
     @metrics.observed("pushpull")
@@ -782,7 +788,8 @@ class DistStore(KVStore):
     def _collector(self, items) -> Collector:
         keys = [item.key for item in items]
         shapes = [self._meta[key].shape for key in keys]
-        return Collector(self._planner, keys, [item.outs for item in items], shapes)
+        codec = self._compression if self._compression and self._compression.pull else None
+        return Collector(self._planner, keys, [item.outs for item in items], shapes, codec)
 
     def _flat(self, values) -> np.ndarray:
         """The sum of a key's device arrays as one flat, contiguous host array."""
@@ -908,6 +915,7 @@ class DistStore(KVStore):
                 f"set_optimizer: expected a kvstore.optimizer.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
+        self._refuse_pull_compression("set_optimizer")
         spec = optimizer.spec()
         self._optimizer = optimizer
         live = [s for s in range(len(self._servers)) if s not in self._dead]
@@ -916,6 +924,21 @@ class DistStore(KVStore):
         body = {"spec": spec, "keep": True} if self._late else {"spec": spec}
         ids = [self._send(s, "optimizer", body) for s in live]
         self._wait("set_optimizer", ids)
+
+    def _check_pull_compression(self) -> None:
+        super()._check_pull_compression()
+        if not self._sync or self._staleness is not None:
+            raise ValueError(
+                f"{self.type}: compressed pulls ({{'pull': True}}) need dist_sync, where every "
+                "worker reads the same sum of a round; here a pull reads whatever the servers "
+                "hold: drop 'pull', or use dist_sync"
+            )
+        if self._chains is not None:
+            raise ValueError(
+                "compressed pulls ({'pull': True}) are not available with KVSTORE_REPLICAS > 1 "
+                "(a backup that takes over holds no codes of the rounds already answered); "
+                "drop 'pull', or run without replicas"
+            )
 
     def _enter(self) -> None:
         """kvstore.elastic's reset: this worker is in every key's rounds from now on (a

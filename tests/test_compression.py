@@ -1,5 +1,6 @@
 """2-bit and 1-bit gradient compression with error feedback."""
 
+import os
 from unittest import mock
 
 import numpy as np
@@ -390,3 +391,58 @@ def test_training_accuracy_with_compression(tmp_path, kind):
     for scheme in ("2bit", "1bit"):
         compressed = _accuracy(tmp_path, kind, "--gradient-compression", scheme)
         assert compressed > plain - ACCURACY_MARGIN, (scheme, compressed, plain)
+
+
+@pytest.mark.parametrize("scheme", ["2bit", "1bit"])
+@pytest.mark.parametrize(("workers", "servers", "piece"), [(2, 2, 4 << 20), (3, 1, 65536)])
+def test_compressed_pulls_read_the_servers_quantised_sums(cluster, scheme, workers, servers, piece):
+    """``'pull': True``: each value pulled is the round's sum quantised once by its server,
+    with the server's error feedback; the same floats on every worker, exactly."""
+    seed = int.from_bytes(os.urandom(3), "little")
+    print(f"seed {seed}")
+    c = cluster(servers, workers, KVSTORE_BIGARRAY_BOUND=3000, KVSTORE_PIECE_BYTES=piece)
+    c.run_workers("compressed_pulls.py", [scheme, seed])
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_local_stores_quantise_the_sum_for_compressed_pulls(kind):
+    """What a pull through the servers reads: the sum of the dequantised pushes, quantised
+    again with the store's own error feedback."""
+    params = {"type": "2bit", "threshold": 0.5, "pull": True}
+    kv = kvstore.create(kind)
+    kv.init("w", np.zeros(6, np.float32))
+    kv.set_gradient_compression(params)
+    replay, residuals = Compression.from_params(params), {}
+    out = np.empty(6, np.float32)
+    for _ in range(3):
+        grads = [rng.standard_normal(6).astype(np.float32) for _ in range(2)]
+        kv.pushpull("w", grads, out=out)
+        total = sum(replay.roundtrip(residuals, ("w", i), g) for i, g in enumerate(grads))
+        np.testing.assert_array_equal(out, replay.roundtrip(residuals, "pulled", total))
+
+
+def test_compressed_pulls_refuse_an_optimizer():
+    kv = kvstore.create("local")
+    kv.set_gradient_compression({"type": "1bit", "pull": True})
+    with pytest.raises(ValueError, match="compressed pulls carry sums of gradients"):
+        kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1))
+    kv = kvstore.create("local")
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="with an optimizer in the store"):
+        kv.set_gradient_compression({"type": "1bit", "pull": True})
+    kv.set_gradient_compression({"type": "1bit"})  # pushes alone: as before
+
+
+@pytest.mark.parametrize("pull", [1, "yes", None])
+def test_compressed_pulls_flag_is_a_bool(pull):
+    with pytest.raises(ValueError, match="'pull' must be True or False"):
+        Compression.from_params({"type": "2bit", "pull": pull})
+
+
+@pytest.mark.parametrize(
+    ("kind", "servers", "replicas"),
+    [("dist_sync", 1, 1), ("dist_async", 1, 1), ("dist_sync", 2, 2)],
+)
+def test_compressed_pulls_refused_where_pulls_read_no_rounds_sum(cluster, kind, servers, replicas):
+    c = cluster(servers, 1, KVSTORE_REPLICAS=replicas)
+    c.run_workers("compressed_pulls_refused.py", [kind])
