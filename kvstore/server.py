@@ -378,7 +378,13 @@ class Server:
         if "ssp" in req.msg.body:
             self._count_staleness(req, keys)
         comp = req.msg.body.get("compression")
-        coded = self._coded(keys, arrays, comp) if comp and comp.get("pull") is True else {}
+        coded = {}
+        if comp and comp.get("pull") is True:
+            try:
+                coded = self._coded(keys, arrays, comp)
+            except ValueError as exc:  # this request only: the others of its round go on
+                self._fail_request(req, str(exc))
+                return
         sends = keys
         if coded:  # fresh codes, not the stored arrays
             body["codes"] = [[i, header] for i, header in coded.items()]
@@ -397,8 +403,6 @@ class Server:
     def _coded(self, keys: list, arrays: list, params) -> dict:
         """``{index: header}`` of the reply's values that go as codes (compressed pulls:
         ``arrays[index]`` replaced by them); the values that are not a round's sum go exact."""
-        if self.chains is not None:
-            raise ValueError("compressed pulls are not available with KVSTORE_REPLICAS > 1")
         codec = Compression.from_params(params)
         coded = {}
         for i, key in enumerate(keys):
@@ -762,8 +766,21 @@ class Server:
         self._proved[rank] = connection
         self._send(identity, Message("ack", msg.id, self.name))
 
+    def _check_pull_codec(self, msg: Message) -> None:
+        """Refuse, on arrival, a request for compressed pulls this server cannot answer."""
+        comp = msg.body.get("compression")
+        if comp is None:
+            return
+        if not isinstance(comp, dict) or not Compression.from_params(comp).pull:
+            if msg.kind == "pull":
+                raise ValueError(f"pull: 'compression' must ask for compressed pulls: {comp!r:.80}")
+            return
+        if self.chains is not None:
+            raise ValueError("compressed pulls are not available with KVSTORE_REPLICAS > 1")
+
     @metrics.served
     def _on_push(self, identity, rank, msg) -> None:
+        self._check_pull_codec(msg)
         grads = self._grads(msg, self._keys(msg), rank)
         sync = bool(msg.body.get("sync", True))
         staleness = _staleness(msg)
@@ -781,6 +798,7 @@ class Server:
 
     @metrics.served
     def _on_pull(self, identity, rank, msg) -> None:
+        self._check_pull_codec(msg)
         keys = self._keys(msg)
         flush = msg.body.get("flush") is True
         request = Request(identity, msg)
