@@ -124,6 +124,15 @@ class Compression:
         xp.copyto(out, values)
         return out
 
+    def for_sums_of(self, count: int) -> Compression:
+        """The codec for the sum of ``count`` pushes: 2-bit's threshold times ``count``, so
+        that a sum can move as far in a round as its pushes did (a sum of W pushes of
+        ``+threshold`` is sent as such, not capped at one push's worth); 1-bit's means
+        scale by themselves."""
+        if self.kind != "2bit" or count <= 1:
+            return self
+        return Compression(self.kind, self.threshold * count, self.pull)
+
     def check_header(self, header) -> bool:
         """Whether ``header`` (off the wire) is one this codec's :meth:`decode` takes."""
         return (
@@ -144,8 +153,10 @@ class PullCodes:
     The value a round's sum leaves in a key part is quantised once, at the first reply that
     asks for it, with error feedback kept per key part (what quantising one round's sum lost
     is added to the next round's before it is quantised), and every reply of that round
-    carries the same codes: every worker reads the same floats. Only a round's sum is sent
-    as codes; a value that init, an optimizer or an async push left goes exact.
+    carries the same codes: every worker reads the same floats. 2-bit quantises the sum of
+    W workers' pushes with W times their threshold (:meth:`Compression.for_sums_of`; the
+    threshold travels in each reply's header). Only a round's sum is sent as codes; a value
+    that init, an optimizer or an async push left goes exact.
 
     >>> codes, c = PullCodes(), Compression.from_params({'type': '2bit', 'pull': True})
     >>> codes.codes('w', np.array([0.7, 0.2], np.float32), c) is None  # not a round's sum
@@ -171,9 +182,10 @@ class PullCodes:
             self._codes.pop(key, None)
             self._residuals.pop(key, None)
 
-    def codes(self, key, value, codec: Compression):
-        """``(packed, header)`` of the round's sum ``value`` of ``key``, the same for every
-        reply of that round; None when the value is not a round's sum."""
+    def codes(self, key, value, codec: Compression, workers: int = 1):
+        """``(packed, header)`` of the round's sum ``value`` of ``key`` (over ``workers``
+        pushes), the same for every reply of that round; None when the value is not a round's
+        sum."""
         n = self._rounds.get(key)
         if n is None:
             return None
@@ -186,7 +198,9 @@ class PullCodes:
                     "call set_gradient_compression with the same parameters"
                 )
             return made[2], made[3]
-        packed, header, self._residuals[key] = codec.quantize(self._residuals.get(key), value)
+        packed, header, self._residuals[key] = codec.for_sums_of(workers).quantize(
+            self._residuals.get(key), value
+        )
         self._codes[key] = (n, codec, packed, header)
         return packed, header
 

@@ -406,7 +406,7 @@ class Server:
         codec = Compression.from_params(params)
         coded = {}
         for i, key in enumerate(keys):
-            codes = self.pull_codes.codes(key, arrays[i], codec)
+            codes = self.pull_codes.codes(key, arrays[i], codec, self.num_workers)
             if codes is not None:
                 arrays[i], coded[i] = codes
         return coded

@@ -876,9 +876,8 @@ class LocalStore(KVStore):
                 copy_into(stored, grad)
                 if self._compression is not None and self._compression.pull:
                     # what a pull through the servers reads: the sum, quantised once
-                    copy_into(
-                        stored, self._compression.roundtrip(self._residuals, (item.key,), stored)
-                    )
+                    codec = self._compression.for_sums_of(len(item.values))
+                    copy_into(stored, codec.roundtrip(self._residuals, (item.key,), stored))
             else:
                 self._updater(item.key, grad, stored)
 

@@ -1,6 +1,7 @@
 """Compressed pushes and pulls (``'pull': True``) through dist_sync: every worker replays
 every rank's quantiser and each server part's (its own error feedback over the round's sum,
-in the fixed pairwise order), and every value pulled must be those floats exactly. Workers
+in the fixed pairwise order; 2-bit with W times the threshold), and every value pulled must
+be those floats exactly. Workers
 sleep at random between calls, so they run ahead of each other.
 
 argv: compression type, seed.
@@ -58,7 +59,7 @@ def expected_pull(key, rnd):
             for r in range(W)
         ]
         total = pairwise_sum(sent)
-        flat[lo:hi] = codec.roundtrip(pull_residuals, (key, part), total)
+        flat[lo:hi] = codec.for_sums_of(W).roundtrip(pull_residuals, (key, part), total)
     return flat.reshape(shapes[key])
 
 
