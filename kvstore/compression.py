@@ -168,9 +168,11 @@ class PullCodes:
     """
 
     def __init__(self):
+        self.active = False  # a request asked for compressed pulls: exact replies are noted
         self._rounds: dict = {}  # key -> rounds summed, while its value is a round's sum
         self._codes: dict = {}  # key -> (rounds summed, codec, packed, header)
         self._residuals: dict = {}  # key -> what quantising its last sum lost
+        self._exact: dict = {}  # key -> the round last answered exact (once active)
 
     def summed(self, key) -> None:
         """A round's sum is now the value of ``key``."""
@@ -181,6 +183,18 @@ class PullCodes:
         if self._rounds.pop(key, None) is not None:
             self._codes.pop(key, None)
             self._residuals.pop(key, None)
+            self._exact.pop(key, None)
+
+    def exact(self, key) -> None:
+        """A reply carries the round's sum of ``key`` exact: refused (ValueError) when a reply
+        of the same round carried codes, since the workers would read different values."""
+        n = self._rounds.get(key)
+        if n is None:
+            return
+        made = self._codes.get(key)
+        if made is not None and made[0] == n:
+            raise _mixed(key)
+        self._exact[key] = n
 
     def codes(self, key, value, codec: Compression, workers: int = 1):
         """``(packed, header)`` of the round's sum ``value`` of ``key`` (over ``workers``
@@ -189,6 +203,8 @@ class PullCodes:
         n = self._rounds.get(key)
         if n is None:
             return None
+        if self._exact.get(key) == n:
+            raise _mixed(key)
         made = self._codes.get(key)
         if made is not None and made[0] == n:
             if made[1] != codec:
@@ -203,6 +219,14 @@ class PullCodes:
         )
         self._codes[key] = (n, codec, packed, header)
         return packed, header
+
+
+def _mixed(key) -> ValueError:
+    return ValueError(
+        f"one round of key {key!r} was pulled both compressed and exact: every worker of a "
+        "job must call set_gradient_compression with the same parameters (some workers asked "
+        "for compressed pulls, 'pull': True, and some did not)"
+    )
 
 
 def packed_size(kind: str, size: int) -> int:
@@ -363,11 +387,13 @@ def _quantize1(xp, residual, flat, new):
     """Write ``residual + flat``, less what the signs send, into ``new``; return the packed
     signs and the two means (of the non-negative elements, of the negative ones).
 
-    Each piece (in the L2 cache) adds its non-negative elements (its values times its signs,
-    NumPy's pairwise sum) and all of them to two float64 totals; the negative elements' sum
-    is the difference. A second pass subtracts what the signs send. (Gathering each mean's
-    elements in order instead, ``flatnonzero`` + ``take``, gave the bits of a whole-array
-    ``new[signs].sum()`` at 2.4x the cost.)"""
+    Each piece (in the L2 cache) adds its non-negative elements and its negative ones to two
+    float64 totals: its values times its signs, then times the signs' complement, each
+    summed pairwise by NumPy (each sign's own sum: a difference of totals loses a small
+    mean beside a big one). An infinity times a zero sign is NaN, so a piece whose sum comes
+    out NaN is summed again by gathering its elements. A second pass subtracts what the
+    signs send. (Gathering every piece, ``flatnonzero`` + ``take``, gave the bits of a
+    whole-array ``new[signs].sum()`` at twice the cost.)"""
     if xp is not np:
         return _quantize1_whole(xp, residual, flat, new)
     if flat.size <= _SMALL:
@@ -377,7 +403,7 @@ def _quantize1(xp, residual, flat, new):
     pieces, step = _pieces(np, size, 8)
     signs = _buffer(np, "signs", step, bool)
     kept = _buffer(np, "kept", step, new.dtype)
-    npos, positive, total = 0, 0.0, 0.0
+    npos, positive, negative = 0, 0.0, 0.0
     wide = np.float32 if new.dtype.itemsize < 4 else None  # float16 sums overflow at 65504
     for lo, hi in pieces:
         r, s, k = new[lo:hi], signs[: hi - lo], kept[: hi - lo]
@@ -385,14 +411,24 @@ def _quantize1(xp, residual, flat, new):
         np.greater_equal(r, 0, out=s)
         packed[lo // 8 : -(-hi // 8)] = np.packbits(s)
         npos += int(np.count_nonzero(s))
-        np.multiply(r, s, out=k)
-        positive += float(k.sum(dtype=wide))
-        total += float(r.sum(dtype=wide))
+        positive += _signed_sum(r, s, k, wide)
+        np.logical_not(s, out=s)
+        negative += _signed_sum(r, s, k, wide)
     nneg = size - npos
     hi_mean = positive / npos if npos else 0.0
-    lo_mean = (total - positive) / nneg if nneg else 0.0
+    lo_mean = negative / nneg if nneg else 0.0
     _subtract_sent1(np, packed, new, pieces, step, hi_mean, lo_mean)
     return packed, hi_mean, lo_mean
+
+
+def _signed_sum(r, s, k, wide) -> float:
+    """The sum of the elements of ``r`` where ``s``, through the scratch ``k``."""
+    with np.errstate(invalid="ignore"):
+        np.multiply(r, s, out=k)
+    total = float(k.sum(dtype=wide))
+    if total != total:  # NaN: an infinity met a zero sign (or r holds a NaN): gather
+        total = float(r[s].sum(dtype=wide))
+    return total
 
 
 def _quantize1_small(residual, flat, new):

@@ -355,26 +355,6 @@ class Collector:
             coded[entry[0]] = entry[1]
         return coded
 
-    def _coded(self, codes, count: int) -> dict:
-        """``{index: header}`` from a reply's ``codes``, checked."""
-        codec = self._codec
-        if codec is None or not isinstance(codes, list):
-            self.cancel()
-            raise ReplyError("the reply holds codes, and this call asked for none")
-        coded = {}
-        for entry in codes:
-            if (
-                type(entry) is not list
-                or len(entry) != 2
-                or type(entry[0]) is not int
-                or not 0 <= entry[0] < count
-                or not codec.check_header(entry[1])
-            ):
-                self.cancel()
-                raise ReplyError(f"bad codes entry {entry!r:.60}")
-            coded[entry[0]] = entry[1]
-        return coded
-
     def cancel(self, reason: str = "cancelled") -> None:
         """Write nothing more; ``reason`` says why (a finisher raises it)."""
         if not self.cancelled:

@@ -379,12 +379,15 @@ class Server:
             self._count_staleness(req, keys)
         comp = req.msg.body.get("compression")
         coded = {}
-        if comp and comp.get("pull") is True:
-            try:
+        try:
+            if comp and comp.get("pull") is True:
                 coded = self._coded(keys, arrays, comp)
-            except ValueError as exc:  # this request only: the others of its round go on
-                self._fail_request(req, str(exc))
-                return
+            elif self.pull_codes.active:  # a round answered both ways would differ
+                for key in keys:
+                    self.pull_codes.exact(key)
+        except ValueError as exc:  # this request only: the others of its round go on
+            self._fail_request(req, str(exc))
+            return
         sends = keys
         if coded:  # fresh codes, not the stored arrays
             body["codes"] = [[i, header] for i, header in coded.items()]
@@ -777,6 +780,7 @@ class Server:
             return
         if self.chains is not None:
             raise ValueError("compressed pulls are not available with KVSTORE_REPLICAS > 1")
+        self.pull_codes.active = True
 
     @metrics.served
     def _on_push(self, identity, rank, msg) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import optimizer as opt
 from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
-from .compression import Compression
+from .compression import Compression, PullCodes
 from .protocol import internal
 from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
 
@@ -432,6 +432,7 @@ class KVStore:
             self._check_pull_compression()
         self._compression = compression
         self._residuals = {}
+        self._pull_codes = PullCodes()
 
     def _check_pull_compression(self) -> None:
         """Raise where compressed pulls do not apply: a store whose updates run in it."""
@@ -846,6 +847,8 @@ class LocalStore(KVStore):
         self._store: dict = {}
         self._updater = None
         self._residuals: dict = {}
+        self._pull_codes = PullCodes()  # compressed pulls, quantised lazily as on the servers
+        self._pushes: dict = {}  # key -> the values its last push summed (compressed pulls)
 
     def _init(self, items, members=None):  # one worker: a group of it is every worker
         for item in items:
@@ -874,17 +877,24 @@ class LocalStore(KVStore):
                 grad = moved
             if self._updater is None:
                 copy_into(stored, grad)
-                if self._compression is not None and self._compression.pull:
-                    # what a pull through the servers reads: the sum, quantised once
-                    codec = self._compression.for_sums_of(len(item.values))
-                    copy_into(stored, codec.roundtrip(self._residuals, (item.key,), stored))
+                self._pull_codes.summed(item.key)
+                self._pushes[item.key] = len(item.values)
             else:
                 self._updater(item.key, grad, stored)
 
     def _pull(self, items):
+        codec = self._compression if self._compression and self._compression.pull else None
         for item in items:
+            value = self._store[item.key]
+            if codec is not None:  # what a pull through the servers reads (server.py _coded)
+                codes = self._pull_codes.codes(
+                    item.key, value.reshape(-1), codec, self._pushes.get(item.key, 1)
+                )
+                if codes is not None:
+                    decoded = codec.decode(*codes, value.size, value.dtype.type)
+                    value = decoded.reshape(value.shape)
             for out in item.outs:
-                copy_into(out, self._store[item.key])
+                copy_into(out, value)
 
     # ---- optimizer
     def set_optimizer(self, optimizer: opt.Optimizer) -> None:

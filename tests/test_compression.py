@@ -449,3 +449,44 @@ def test_compressed_pulls_flag_is_a_bool(pull):
 def test_compressed_pulls_refused_where_pulls_read_no_rounds_sum(cluster, kind, servers, replicas):
     c = cluster(servers, 1, KVSTORE_REPLICAS=replicas)
     c.run_workers("compressed_pulls_refused.py", [kind])
+
+
+def test_1bit_negative_mean_survives_large_positives():
+    """Each sign's own sum: a difference of totals lost the small negative mean (0.0)."""
+    codec = Compression.from_params({"type": "1bit"})
+    x = np.random.default_rng(0).uniform(1e4, 3e4, 1 << 18).astype(np.float32)
+    x[1::2] = -np.random.default_rng(1).uniform(0, 1e-3, 1 << 17).astype(np.float32)
+    _, header, _ = codec.quantize(None, x)
+    want = float(x[x < 0].astype(np.float64).mean())
+    assert header[1] == pytest.approx(want, rel=1e-3), (header, want)
+
+
+@pytest.mark.parametrize("bad", [-np.inf, np.inf])
+def test_1bit_an_infinity_leaves_the_other_mean_finite(bad):
+    codec = Compression.from_params({"type": "1bit"})
+    x = np.ones(1 << 13, np.float32)
+    x[1::2] = -1
+    x[5] = bad
+    _, header, _ = codec.quantize(None, x)
+    assert header == ([1.0, -np.inf] if bad < 0 else [np.inf, -1.0]), header
+
+
+@pytest.mark.parametrize(
+    ("scheme", "servers", "sequence"),
+    [("2bit", 1, "pushpull"), ("2bit", 2, "push-push-pull"), ("1bit", 1, "push-push-pull")],
+)
+def test_local_store_reads_what_the_servers_send(cluster, scheme, servers, sequence):
+    """The local store quantises a round's sum when it is pulled, as the servers do (a round
+    nobody pulls moves no residual). 1-bit on one server: its means are per key part."""
+    c = cluster(servers, 2, KVSTORE_BIGARRAY_BOUND=3000)
+    c.run_workers("compressed_pulls_local.py", [scheme, sequence])
+
+
+@pytest.mark.parametrize("other", ["push-only", "none"])
+def test_a_round_pulled_both_compressed_and_exact_is_refused(cluster, other):
+    """Workers set different compressions: one round would be read two ways; the second
+    reply of that round is refused instead, and every worker stops with an error."""
+    c = cluster(1, 2)
+    outputs = c.run_workers("compressed_pulls_mixed.py", [other])
+    assert all("refused" in o for o in outputs), outputs
+    assert any("pulled both compressed and exact" in o for o in outputs), outputs
