@@ -785,6 +785,21 @@ def check_ids(what: str, key, ids, rows: int) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
+def holds_ids(unique: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether every id of ``ids`` (any order, repeats allowed) is in ``unique`` (sorted,
+    unique): a pull of ``ids`` can then be read from the rows of ``unique``.
+
+    >>> holds_ids(np.array([1, 4, 9]), np.array([9, 1, 9]))
+    True
+    """
+    if ids is unique or ids.size == 0:
+        return True
+    if unique.size == 0:
+        return False
+    pos = np.searchsorted(unique, ids)
+    return bool(pos.max() < unique.size and (unique[pos] == ids).all())
+
+
 def write_rows(out, ids: np.ndarray, rows_of) -> None:
     """Fill ``out`` with the rows ``ids``: a :class:`RowSparse` gets the unique sorted ids and
     their rows, a dense array of the table's shape those rows and 0 elsewhere. ``rows_of(u)``

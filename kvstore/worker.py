@@ -45,7 +45,7 @@ from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
 from .protocol import Message, ProtocolError, decode, internal
 from .sharding import acting
-from .store import KVStore, Pending
+from .store import KVStore, Pending, RowsItem
 
 log = logging.getLogger("kvstore.worker")
 
@@ -139,6 +139,17 @@ class _Request:
         self.sent_to = server if to < 0 else to  # the server that has it
 
 
+class _RowsBack:
+    """The last push of a row-sparse key: its ids (sorted, unique), its requests and, when
+    it asked for its rows back, the collector of the reply and the pull item it writes."""
+
+    __slots__ = ("ids", "requests", "collector", "pull", "read")
+
+    def __init__(self, ids, requests: list, collector, pull):
+        self.ids, self.requests, self.collector, self.pull = ids, requests, collector, pull
+        self.read = False  # a row_sparse_pull was served from it
+
+
 class DistStore(KVStore):
     def __init__(self, kind: str, cfg: Config):
         super().__init__(kind)
@@ -166,6 +177,10 @@ class DistStore(KVStore):
         self._failure_type: type[KVStoreError] = KVStoreError  # raised again on every call
         self._failure_known = False  # told by the scheduler: it needs no report of it
         self._sockets: list = []
+        # row-sparse keys (dist_sync): the last push's rows come back with its reply when the
+        # key's last push was followed by a row_sparse_pull of its ids (see _pull_from_push)
+        self._rows_back: dict = {}  # key -> _RowsBack of the last push, until the next send
+        self._rows_ahead: set = set()  # keys whose pushes ask for their rows back
         try:
             book = self._control.wait(f"kvstore.create({kind!r})", ("book",), cfg.start_timeout + 5)
         except KVStoreError:
@@ -319,6 +334,8 @@ class DistStore(KVStore):
         return msg_id
 
     def _transmit(self, server: int, msg: Message) -> list:
+        if self._rows_back:  # a message may change rows (or order a change): not read since
+            self._forget_rows_back()
         try:
             return transport.send(self._sockets[self._route[server]], msg)
         except zmq.Again:
@@ -811,13 +828,67 @@ class DistStore(KVStore):
 
     @metrics.observed("push")
     def _push_rows(self, items):
-        outgoing = sparse.plan_push(
-            items, len(self._servers), self._sync, shm_servers=self._planner.shm_servers
-        )
-        _, trackers = self._commit("push", outgoing)
-        if len(self._servers) > 1:  # the rows sent are copies (split by server): no wait
+        n, shm_servers = len(self._servers), self._planner.shm_servers
+        back = None
+        if (
+            self._sync
+            and self._staleness is None
+            and self._rows_ahead.issuperset(item.key for item in items)
+        ):  # answered with its rows, for the row_sparse_pull expected next
+            back = [RowsItem(item.key, outs=[], ids=[]) for item in items]
+            outgoing, collector = sparse.plan_push(
+                items, n, self._sync, back, self._sparse, shm_servers
+            )
+        else:
+            outgoing = sparse.plan_push(items, n, self._sync, shm_servers=shm_servers)
+            collector = None
+        ids, trackers = self._commit("push", outgoing, collector)
+        for i, item in enumerate(items):
+            self._rows_back[item.key] = _RowsBack(
+                item.value.indices, ids, collector, None if back is None else back[i]
+            )
+        if n > 1:  # the rows sent are copies (split by server): no wait
             return
         self._wait("push", ids=(), trackers=trackers)
+
+    def _forget_rows_back(self) -> None:
+        """A message is going out: the rows a push's reply brings are no longer the rows a
+        pull would read. A key whose rows came back unread stops asking for them."""
+        for key, back in self._rows_back.items():
+            if back.collector is not None and not back.read:
+                self._rows_ahead.discard(key)
+        self._rows_back = {}
+
+    def _pull_from_push(self, items) -> bool:
+        """Serve a ``row_sparse_pull`` from the reply of this worker's last push when nothing
+        was sent since and it pushed every id asked (the benchmark's and MXNet's anchor step:
+        a push, then a pull of the same rows): one round trip instead of two. Under
+        ``dist_sync`` a key's rows change only when a round is applied, and the next round
+        of the key needs this worker's next push, so the rows after the pushed round are
+        the rows a pull sent now would get. Returns whether it did; else the keys whose
+        pull fits learn to ask for their rows with their next push."""
+        backs = [self._rows_back.get(item.key) for item in items]
+        fits = [
+            back is not None and all(sparse.holds_ids(back.ids, ids) for ids in item.ids)
+            for item, back in zip(items, backs, strict=True)
+        ]
+        for item, back, fit in zip(items, backs, fits, strict=True):
+            if back is not None:
+                (self._rows_ahead.add if fit else self._rows_ahead.discard)(item.key)
+        if not all(fits) or any(b.collector is None or b.collector.cancelled for b in backs):
+            return False
+        collectors = {id(back.collector): back for back in backs}
+        if len(collectors) != 1:  # (every back comes from the last push: one call)
+            return False
+        back = backs[0]
+        for item, b in zip(items, backs, strict=True):
+            b.pull.outs, b.pull.ids, b.read = item.outs, item.ids, True
+        try:
+            self._collect("row_sparse_pull", back.requests, [], back.collector)
+        finally:
+            for b in backs:  # written once: a second pull of the key writes only its own
+                b.pull.outs, b.pull.ids = [], []
+        return True
 
     @metrics.observed("pushpull")
     def _pushpull_rows(self, items, pulls):
@@ -834,6 +905,8 @@ class DistStore(KVStore):
 
     @metrics.observed("pull")
     def _pull_rows(self, items):
+        if self._rows_back and self._pull_from_push(items):
+            return
         outgoing, collector = sparse.plan_pull(items, len(self._servers), self._sparse)
         ids, _ = self._commit("row_sparse_pull", outgoing, collector)
         self._collect("row_sparse_pull", ids, [], collector)
@@ -880,6 +953,8 @@ class DistStore(KVStore):
         """Send ``kind`` to the scheduler once this worker's requests are answered, and wait
         in the one wait loop for ``answer``."""
         self._wait(what)
+        if self._rows_back:
+            self._forget_rows_back()
         self._control.send(kind, body)
         return self._wait(what, ids=(), answer=answer)
 
