@@ -958,10 +958,19 @@ class RowCollector:
             return
         for item, unique, _ in self._wanted:
             block = self._blocks[item.key]
+            given = False  # the block itself goes to one output: the others get copies
+
+            def rows_of(u, b=block, w=unique):
+                nonlocal given
+                if u is not w:
+                    return b[np.searchsorted(w, u)]
+                if given:
+                    return b.copy()
+                given = True
+                return b
+
             for out, ids in zip(item.outs, item.ids, strict=True):
-                write_rows(
-                    out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)]
-                )
+                write_rows(out, ids, rows_of)
 
 
 # ---------------------------------------------------------------- optimizer states

@@ -21,6 +21,7 @@ so a late reply never writes into the caller's arrays.
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import itertools
 import logging
@@ -140,13 +141,13 @@ class _Request:
 
 
 class _RowsBack:
-    """The last push of a row-sparse key: its ids (sorted, unique), its requests and, when
-    it asked for its rows back, the collector of the reply and the pull item it writes."""
+    """A push of a row-sparse key that asked for its rows back: its requests, the collector
+    of their replies and the pull item that collector writes."""
 
-    __slots__ = ("ids", "requests", "collector", "pull", "read")
+    __slots__ = ("requests", "collector", "pull", "read")
 
-    def __init__(self, ids, requests: list, collector, pull):
-        self.ids, self.requests, self.collector, self.pull = ids, requests, collector, pull
+    def __init__(self, requests: list, collector, pull):
+        self.requests, self.collector, self.pull = requests, collector, pull
         self.read = False  # a row_sparse_pull was served from it
 
 
@@ -181,6 +182,7 @@ class DistStore(KVStore):
         # key's last push was followed by a row_sparse_pull of its ids (see _pull_from_push)
         self._rows_back: dict = {}  # key -> _RowsBack of the last push, until the next send
         self._rows_ahead: set = set()  # keys whose pushes ask for their rows back
+        self._rows_pushed: dict = {}  # key -> the ids of its last push (what it learns from)
         try:
             book = self._control.wait(f"kvstore.create({kind!r})", ("book",), cfg.start_timeout + 5)
         except KVStoreError:
@@ -836,6 +838,10 @@ class DistStore(KVStore):
             and self._rows_ahead.issuperset(item.key for item in items)
         ):  # answered with its rows, for the row_sparse_pull expected next
             back = [RowsItem(item.key, outs=[], ids=[]) for item in items]
+            # the ids the reply's rows are of, copied: the caller may reuse its array
+            items = [dataclasses.replace(item, value=copy.copy(item.value)) for item in items]
+            for item in items:
+                item.value.indices = item.value.indices.copy()
             outgoing, collector = sparse.plan_push(
                 items, n, self._sync, back, self._sparse, shm_servers
             )
@@ -844,9 +850,9 @@ class DistStore(KVStore):
             collector = None
         ids, trackers = self._commit("push", outgoing, collector)
         for i, item in enumerate(items):
-            self._rows_back[item.key] = _RowsBack(
-                item.value.indices, ids, collector, None if back is None else back[i]
-            )
+            self._rows_pushed[item.key] = item.value.indices
+            if back is not None:
+                self._rows_back[item.key] = _RowsBack(ids, collector, back[i])
         if n > 1:  # the rows sent are copies (split by server): no wait
             return
         self._wait("push", ids=(), trackers=trackers)
@@ -855,7 +861,7 @@ class DistStore(KVStore):
         """A message is going out: the rows a push's reply brings are no longer the rows a
         pull would read. A key whose rows came back unread stops asking for them."""
         for key, back in self._rows_back.items():
-            if back.collector is not None and not back.read:
+            if not back.read:
                 self._rows_ahead.discard(key)
         self._rows_back = {}
 
@@ -865,28 +871,35 @@ class DistStore(KVStore):
         a push, then a pull of the same rows): one round trip instead of two. Under
         ``dist_sync`` a key's rows change only when a round is applied, and the next round
         of the key needs this worker's next push, so the rows after the pushed round are
-        the rows a pull sent now would get. Returns whether it did; else the keys whose
-        pull fits learn to ask for their rows with their next push."""
+        the rows a pull sent now would get. Returns whether it did. A key learns here
+        whether its pushes should ask for their rows back: when a pull of it asks only for
+        rows its last push had."""
+        asked = []
+        for item in items:
+            pushed = self._rows_pushed.get(item.key)
+            if pushed is None:
+                return False
+            # ids equal to the pushed ones become the pushed array: written with no lookup
+            same = [
+                x if x.size != pushed.size or not np.array_equal(x, pushed) else pushed
+                for x in item.ids
+            ]
+            if not all(sparse.holds_ids(pushed, x) for x in same):
+                self._rows_ahead.discard(item.key)
+                return False
+            self._rows_ahead.add(item.key)
+            asked.append(same)
         backs = [self._rows_back.get(item.key) for item in items]
-        fits = [
-            back is not None and all(sparse.holds_ids(back.ids, ids) for ids in item.ids)
-            for item, back in zip(items, backs, strict=True)
-        ]
-        for item, back, fit in zip(items, backs, fits, strict=True):
-            if back is not None:
-                (self._rows_ahead.add if fit else self._rows_ahead.discard)(item.key)
-        if not all(fits) or any(b.collector is None or b.collector.cancelled for b in backs):
-            return False
-        collectors = {id(back.collector): back for back in backs}
-        if len(collectors) != 1:  # (every back comes from the last push: one call)
-            return False
-        back = backs[0]
-        for item, b in zip(items, backs, strict=True):
-            b.pull.outs, b.pull.ids, b.read = item.outs, item.ids, True
+        if any(b is None or b.read or b.collector.cancelled for b in backs):
+            return False  # (read once: the first pull's output may hold the reply's block)
+        if len({id(b.collector) for b in backs}) != 1 or len({id(b) for b in backs}) < len(backs):
+            return False  # (every back is of the last push, one call; a key named twice)
+        for item, b, ids in zip(items, backs, asked, strict=True):
+            b.pull.outs, b.pull.ids, b.read = item.outs, ids, True
         try:
-            self._collect("row_sparse_pull", back.requests, [], back.collector)
+            self._collect("row_sparse_pull", backs[0].requests, [], backs[0].collector)
         finally:
-            for b in backs:  # written once: a second pull of the key writes only its own
+            for b in backs:
                 b.pull.outs, b.pull.ids = [], []
         return True
 
@@ -905,7 +918,7 @@ class DistStore(KVStore):
 
     @metrics.observed("pull")
     def _pull_rows(self, items):
-        if self._rows_back and self._pull_from_push(items):
+        if self._rows_pushed and self._pull_from_push(items):
             return
         outgoing, collector = sparse.plan_pull(items, len(self._servers), self._sparse)
         ids, _ = self._commit("row_sparse_pull", outgoing, collector)
