@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import NamedTuple
 
 import numpy as np
 
@@ -821,30 +820,6 @@ def write_rows(out, ids: np.ndarray, rows_of) -> None:
 # ---------------------------------------------------------------- the worker's messages
 
 
-class RowsOf(NamedTuple):
-    """The rows ``data[pos]`` of a push, not yet gathered: the worker gathers them straight
-    into a shared segment (:meth:`gather` with ``out``), or into an array for TCP."""
-
-    data: np.ndarray
-    pos: np.ndarray
-
-    @property
-    def shape(self) -> tuple:
-        return (self.pos.size, self.data.shape[1])
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.data.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.pos.size * self.data.shape[1] * self.data.dtype.itemsize
-
-    def gather(self, out: np.ndarray | None = None) -> np.ndarray:
-        # take, unbuffered (the positions are valid): twice as fast as data[pos]
-        return np.take(self.data, self.pos, axis=0, out=out, mode="clip")
-
-
 def plan_init(items, num_server: int) -> list:
     """``sparse_init`` per server: every server holds a part (its rows) of every key."""
     from .plan import Outgoing
@@ -876,15 +851,11 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
     legs: list = [([], []) for _ in range(num_server)]
     for item, split in zip(items, splits, strict=True):
         v = item.value
-        row_bytes = v.data.shape[1] * v.data.dtype.itemsize
         for server, pos in enumerate(split):
             keys, arrays = legs[server]
             keys.append((item.key, server))
             if num_server == 1:
                 arrays += [v.indices, np.ascontiguousarray(v.data)]
-            elif server in shm_servers and pos.size * row_bytes >= SHM_FROM:
-                # gathered by the worker straight into the segment (or for TCP, if none)
-                arrays += [v.indices.take(pos), RowsOf(v.data, pos)]
             else:  # take (unbuffered: the positions are valid) is twice as fast as [pos]
                 arrays += [v.indices.take(pos), np.take(v.data, pos, axis=0, mode="clip")]
     body = {"sync": sync} if pulls is None else {"sync": sync, "pull": True}

@@ -363,10 +363,6 @@ class DistStore(KVStore):
                 body = {"keys": out.wire, **out.body}
                 here = out.server not in moved  # else its parts moved: TCP, no segment
                 used = self._to_segments(out, arrays) if out.shared and here else []
-                if out.shared and out.kind == "sparse_push":  # rows left for TCP: gathered
-                    for i in out.shared:
-                        if type(arrays[i]) is sparse.RowsOf:
-                            arrays[i] = arrays[i].gather()
                 if used:
                     body["shm"] = [entry for _, _, entry in used]
                 pulling = out.kind in _PULLING or out.body.get("pull") is True
@@ -446,16 +442,12 @@ class DistStore(KVStore):
                 continue
             if rows:
                 region = segment.push[: piece.nbytes].view(piece.dtype).reshape(piece.shape)
-                if type(piece) is sparse.RowsOf:
-                    piece.gather(out=region)
-                else:
-                    np.copyto(region, piece)
+                np.copyto(region, piece)
             else:
                 np.copyto(segment.push.view(piece.dtype), piece)
             seq = int(segment.counters[0]) + 1
             segment.counters[0] = seq
-            # the dtype travels, the bytes do not
-            arrays[index] = np.empty((0, *piece.shape[1:]), piece.dtype)
+            arrays[index] = piece[:0]  # the dtype travels, the bytes do not
             entry = [index, segment.name, seq] + ([segment.nbytes] if rows else [])
             used.append((where, segment, entry))
         return used
