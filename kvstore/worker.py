@@ -831,6 +831,8 @@ class DistStore(KVStore):
     @metrics.observed("push")
     def _push_rows(self, items):
         n, shm_servers = len(self._servers), self._planner.shm_servers
+        if self._rows_back:  # a reply no pull read: its key stops asking now, not after
+            self._forget_rows_back()
         back = None
         if (
             self._sync

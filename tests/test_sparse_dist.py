@@ -77,4 +77,4 @@ def test_row_sparse_pull_after_push(cluster, num_server, num_worker, kind):
     values as a pull, for repeats, several outputs, two keys and a second pull."""
     c = cluster(num_server, num_worker)
     outs = c.run_workers("sparse_pull_after_push.py", [kind], timeout=120)
-    assert all(f"OK 27 pulls after pushes ({kind})" in o for o in outs), outs
+    assert all(f"OK 30 pulls after pushes ({kind})" in o for o in outs), outs

@@ -3,8 +3,9 @@ NumPy model of the rounds (no optimizer; zeros init). Each pattern runs three st
 (a key learns from its first that its pushes should bring their rows back); under
 ``dist_sync`` the last step of a pattern whose pull asks only for pushed rows must send no
 ``sparse_pull`` (it reads the push's reply), and one that asks for other rows, or follows a
-barrier, must send one. Under ``dist_async`` every pull is a message, and each worker pushes
-rows no other worker pushes (so that its pulls are exact: its own pushes, added up).
+barrier, must send one; a push no pull follows makes the next push not ask. Under
+``dist_async`` every pull is a message, and each worker pushes rows no other worker pushes
+(so that its pulls are exact: its own pushes, added up).
 
 argv: kv type.
 """
@@ -29,7 +30,7 @@ transmit = kv._transmit
 
 
 def counting(server, msg):
-    sent.append(msg.kind)
+    sent.append(msg.kind if msg.body.get("pull") is not True else f"{msg.kind} asking")
     return transmit(server, msg)
 
 
@@ -86,8 +87,9 @@ def others(pushed, rng):
     return np.concatenate([pushed[:3], rng.choice(pool, 20)])
 
 
-step, served = 0, {}
-patterns = ["same", "subset", "outs", "other", "two keys", "twice", "barrier", "same", "reused"]
+step, served, asking = 0, {}, {}
+patterns = ["same", "subset", "outs", "other", "two keys", "twice", "barrier", "same", "pushes"]
+patterns += ["reused"]
 for name in patterns:
     for n in range(3):
         rng = np.random.default_rng([rank, step, 7])
@@ -101,10 +103,14 @@ for name in patterns:
             check("f", out_f, ids_f, name)
         else:
             (ids,) = push(step, ["e"])
+            if name == "pushes":  # no pull: the key stops asking for its rows back
+                asking[n] = "sparse_push asking" in sent[before:]
             if name == "barrier":
                 kv.barrier()
                 before = len(sent)
-            if name in ("same", "barrier"):
+            if name == "pushes":
+                pass
+            elif name in ("same", "barrier"):
                 out = RowSparse.empty(shape, np.float32)
                 kv.row_sparse_pull("e", out=out, row_ids=ids)
                 check("e", out, ids, name)
@@ -141,14 +147,17 @@ for name in patterns:
                 assert (first.data == -7).all(), "the first output was written again"
         pulls = sent[before:].count("sparse_pull")
         # (a pull of no rows is no message either: such a step tells nothing)
-        served[(name, n)] = pulls == 0 if pushes(step, "e")[rank][0].size else None
+        pulled = name != "pushes" and pushes(step, "e")[rank][0].size
+        served[(name, n)] = pulls == 0 if pulled else None
         step += 1
 kv.close()
 if sync:
     for name in ("same", "subset", "outs", "two keys"):
         assert served[(name, 2)] is not False, f"rank {rank}: {name}: a sparse_pull was sent"
+    assert asking == {0: True, 1: False, 2: False}, asking
     for name in ("other", "barrier", "twice", "reused"):  # twice: the second pull is a message
         assert served[(name, 2)] is not True, f"rank {rank}: {name}: no sparse_pull was sent"
 else:
     assert True not in served.values(), f"rank {rank}: {kind}: a pull read a push's reply"
+    assert True not in asking.values(), f"rank {rank}: {kind}: a push asked for its rows"
 print(f"rank {rank} OK {step} pulls after pushes ({kind})", flush=True)
