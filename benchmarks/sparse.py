@@ -16,7 +16,8 @@ SGD momentum's state); with ``--job-memory`` the resident memory (VmRSS) of a wh
 (scheduler, 2 servers, 1 worker) holding 10^6 touched rows of a 10^9 x 64 table; and with
 ``--mxnet PYTHON`` (a Python with MXNet 1.9.1) MXNet's KVStore
 (``/work/shared/anchors/mxnet_ps.py --row-sparse 100000x64x4096``, W and S the same)
-beside kvstore's identical step, run back to back, with the ratio.
+beside kvstore's identical step, run back to back, with the ratio (both tables initialised
+with every row, ones, as the anchor does).
 
     python benchmarks/sparse.py                     # W=2 S=2, every dim and size
     python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
@@ -81,7 +82,9 @@ def worker_main(args) -> int:
     if args.run_anchor:  # MXNet's anchor case: 100000 x 64, 4096 random draws (unique) per step
         rows, dim, req = (int(x) for x in args.anchor.lower().split("x"))
         shape = (rows, dim)
-        kv.init("anchor", RowSparse.empty(shape, np.float32))
+        # every row stored from the start, as MXNet's anchor inits it (ones: MXNet refuses an
+        # empty row_sparse init); an empty table would create rows during the first repeats
+        kv.init("anchor", RowSparse(np.arange(rows), np.ones(shape, np.float32), shape))
         vals = np.ones((req, dim), np.float32)
         out = RowSparse.empty(shape, np.float32)
 

@@ -175,6 +175,30 @@ class RowSparse:
         return out
 
 
+def put_rows(block: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+    """``block[slots] = rows`` (``slots`` valid, last write wins), each row copied as one
+    opaque item: ``np.put`` of a row-wide void view is about twice as fast as NumPy's
+    fancy-index assignment of 2-D rows, the scatter a round and a reply spend most on.
+
+    >>> block = np.zeros((4, 2), np.float32)
+    >>> put_rows(block, np.array([2, 0]), np.ones((2, 2), np.float32))
+    >>> block[:, 0].tolist()
+    [1.0, 0.0, 1.0, 0.0]
+    """
+    width = block.shape[1] * block.dtype.itemsize if block.ndim == 2 else 0
+    if (
+        width == 0
+        or rows.dtype != block.dtype
+        or rows.shape != (slots.size, block.shape[1])
+        or not block.flags.c_contiguous
+        or not rows.flags.c_contiguous
+    ):
+        block[slots] = rows
+        return
+    item = np.dtype((np.void, width))
+    np.put(block.view(item).reshape(-1), slots, rows.view(item).reshape(-1))
+
+
 def _from_coo(rows, cols, values, shape) -> RowSparse:
     rows = np.asarray(rows, np.int64)
     ids, inverse = np.unique(rows, return_inverse=True)
@@ -521,7 +545,7 @@ class RowTable:
         if len(pushes) == 1:
             ids, rows = pushes[0]
             slots = [self.slots_of(ids)]
-            self.block[slots[0]] = rows
+            put_rows(self.block, slots[0], rows)
             self.changed[slots[0]] = self.step
         else:
             # the bits of 0 + a + b, in rank order, with one scatter per push: a row's first
@@ -538,7 +562,7 @@ class RowTable:
                     where = self._create(ids, found, where)
                 self.changed[where] = self.step
                 earlier = None if again is None else self.block[where[again]]
-                self.block[where] = np.add(zero, rows)
+                put_rows(self.block, where, np.add(zero, rows))
                 if earlier is not None:
                     self.block[where[again]] = earlier + rows[again]
                 slots.append(where)
@@ -565,7 +589,7 @@ class RowTable:
             if accumulate:
                 self.block[slots] += rows
             else:
-                self.block[slots] = rows
+                put_rows(self.block, slots, rows)
             self.changed[slots] = self.step
             return done
         self._states_for(optimizer)
@@ -785,6 +809,21 @@ def check_ids(what: str, key, ids, rows: int) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
+def holds_ids(unique: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether every id of ``ids`` (any order, repeats allowed) is in ``unique`` (sorted,
+    unique): a pull of ``ids`` can then be read from the rows of ``unique``.
+
+    >>> holds_ids(np.array([1, 4, 9]), np.array([9, 1, 9]))
+    True
+    """
+    if ids is unique or ids.size == 0:
+        return True
+    if unique.size == 0:
+        return False
+    pos = np.searchsorted(unique, ids)
+    return bool(pos.max() < unique.size and (unique[pos] == ids).all())
+
+
 def write_rows(out, ids: np.ndarray, rows_of) -> None:
     """Fill ``out`` with the rows ``ids``: a :class:`RowSparse` gets the unique sorted ids and
     their rows, a dense array of the table's shape those rows and 0 elsewhere. ``rows_of(u)``
@@ -931,7 +970,7 @@ class RowCollector:
                 self.cancel()
                 raise ReplyError(f"key {where[0]!r}: rows of {rows.dtype}, expected {block.dtype}")
         for where, rows in zip(asked, arrays, strict=True):
-            self._blocks[where[0]][self._positions[where]] = rows
+            put_rows(self._blocks[where[0]], self._positions[where], rows)
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.cancelled:
@@ -943,10 +982,19 @@ class RowCollector:
             return
         for item, unique, _ in self._wanted:
             block = self._blocks[item.key]
+            given = False  # the block itself goes to one output: the others get copies
+
+            def rows_of(u, b=block, w=unique):
+                nonlocal given
+                if u is not w:
+                    return b[np.searchsorted(w, u)]
+                if given:
+                    return b.copy()
+                given = True
+                return b
+
             for out, ids in zip(item.outs, item.ids, strict=True):
-                write_rows(
-                    out, ids, lambda u, b=block, w=unique: b if u is w else b[np.searchsorted(w, u)]
-                )
+                write_rows(out, ids, rows_of)
 
 
 # ---------------------------------------------------------------- optimizer states

@@ -21,6 +21,7 @@ so a late reply never writes into the caller's arrays.
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import itertools
 import logging
@@ -45,7 +46,7 @@ from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
 from .protocol import Message, ProtocolError, decode, internal
 from .sharding import acting
-from .store import KVStore, Pending
+from .store import KVStore, Pending, RowsItem
 
 log = logging.getLogger("kvstore.worker")
 
@@ -139,6 +140,17 @@ class _Request:
         self.sent_to = server if to < 0 else to  # the server that has it
 
 
+class _RowsBack:
+    """A push of a row-sparse key that asked for its rows back: its requests, the collector
+    of their replies and the pull item that collector writes."""
+
+    __slots__ = ("requests", "collector", "pull", "read")
+
+    def __init__(self, requests: list, collector, pull):
+        self.requests, self.collector, self.pull = requests, collector, pull
+        self.read = False  # a row_sparse_pull was served from it
+
+
 class DistStore(KVStore):
     def __init__(self, kind: str, cfg: Config):
         super().__init__(kind)
@@ -166,6 +178,11 @@ class DistStore(KVStore):
         self._failure_type: type[KVStoreError] = KVStoreError  # raised again on every call
         self._failure_known = False  # told by the scheduler: it needs no report of it
         self._sockets: list = []
+        # row-sparse keys (dist_sync): the last push's rows come back with its reply when the
+        # key's last push was followed by a row_sparse_pull of its ids (see _pull_from_push)
+        self._rows_back: dict = {}  # key -> _RowsBack of the last push, until the next send
+        self._rows_ahead: set = set()  # keys whose pushes ask for their rows back
+        self._rows_pushed: dict = {}  # key -> the ids of its last push (what it learns from)
         try:
             book = self._control.wait(f"kvstore.create({kind!r})", ("book",), cfg.start_timeout + 5)
         except KVStoreError:
@@ -319,6 +336,8 @@ class DistStore(KVStore):
         return msg_id
 
     def _transmit(self, server: int, msg: Message) -> list:
+        if self._rows_back:  # a message may change rows (or order a change): not read since
+            self._forget_rows_back()
         try:
             return transport.send(self._sockets[self._route[server]], msg)
         except zmq.Again:
@@ -818,13 +837,80 @@ class DistStore(KVStore):
 
     @metrics.observed("push")
     def _push_rows(self, items):
-        outgoing = sparse.plan_push(
-            items, len(self._servers), self._sync, shm_servers=self._planner.shm_servers
-        )
-        _, trackers = self._commit("push", outgoing)
-        if len(self._servers) > 1:  # the rows sent are copies (split by server): no wait
+        n, shm_servers = len(self._servers), self._planner.shm_servers
+        if self._rows_back:  # a reply no pull read: its key stops asking now, not after
+            self._forget_rows_back()
+        back = None
+        if (
+            self._sync
+            and self._staleness is None
+            and self._rows_ahead.issuperset(item.key for item in items)
+        ):  # answered with its rows, for the row_sparse_pull expected next
+            back = [RowsItem(item.key, outs=[], ids=[]) for item in items]
+            # the ids the reply's rows are of, copied: the caller may reuse its array
+            items = [dataclasses.replace(item, value=copy.copy(item.value)) for item in items]
+            for item in items:
+                item.value.indices = item.value.indices.copy()
+            outgoing, collector = sparse.plan_push(
+                items, n, self._sync, back, self._sparse, shm_servers
+            )
+        else:
+            outgoing = sparse.plan_push(items, n, self._sync, shm_servers=shm_servers)
+            collector = None
+        ids, trackers = self._commit("push", outgoing, collector)
+        for i, item in enumerate(items):
+            self._rows_pushed[item.key] = item.value.indices
+            if back is not None:
+                self._rows_back[item.key] = _RowsBack(ids, collector, back[i])
+        if n > 1:  # the rows sent are copies (split by server): no wait
             return
         self._wait("push", ids=(), trackers=trackers)
+
+    def _forget_rows_back(self) -> None:
+        """A message is going out: the rows a push's reply brings are no longer the rows a
+        pull would read. A key whose rows came back unread stops asking for them."""
+        for key, back in self._rows_back.items():
+            if not back.read:
+                self._rows_ahead.discard(key)
+        self._rows_back = {}
+
+    def _pull_from_push(self, items) -> bool:
+        """Serve a ``row_sparse_pull`` from the reply of this worker's last push when nothing
+        was sent since and it pushed every id asked (the benchmark's and MXNet's anchor step:
+        a push, then a pull of the same rows): one round trip instead of two. Under
+        ``dist_sync`` a key's rows change only when a round is applied, and the next round
+        of the key needs this worker's next push, so the rows after the pushed round are
+        the rows a pull sent now would get. Returns whether it did. A key learns here
+        whether its pushes should ask for their rows back: when a pull of it asks only for
+        rows its last push had."""
+        asked = []
+        for item in items:
+            pushed = self._rows_pushed.get(item.key)
+            if pushed is None:
+                return False
+            # ids equal to the pushed ones become the pushed array: written with no lookup
+            same = [
+                x if x.size != pushed.size or not np.array_equal(x, pushed) else pushed
+                for x in item.ids
+            ]
+            if not all(sparse.holds_ids(pushed, x) for x in same):
+                self._rows_ahead.discard(item.key)
+                return False
+            self._rows_ahead.add(item.key)
+            asked.append(same)
+        backs = [self._rows_back.get(item.key) for item in items]
+        if any(b is None or b.read or b.collector.cancelled for b in backs):
+            return False  # (read once: the first pull's output may hold the reply's block)
+        if len({id(b.collector) for b in backs}) != 1 or len({id(b) for b in backs}) < len(backs):
+            return False  # (every back is of the last push, one call; a key named twice)
+        for item, b, ids in zip(items, backs, asked, strict=True):
+            b.pull.outs, b.pull.ids, b.read = item.outs, ids, True
+        try:
+            self._collect("row_sparse_pull", backs[0].requests, [], backs[0].collector)
+        finally:
+            for b in backs:
+                b.pull.outs, b.pull.ids = [], []
+        return True
 
     @metrics.observed("pushpull")
     def _pushpull_rows(self, items, pulls):
@@ -841,6 +927,8 @@ class DistStore(KVStore):
 
     @metrics.observed("pull")
     def _pull_rows(self, items):
+        if self._rows_pushed and self._pull_from_push(items):
+            return
         outgoing, collector = sparse.plan_pull(items, len(self._servers), self._sparse)
         ids, _ = self._commit("row_sparse_pull", outgoing, collector)
         self._collect("row_sparse_pull", ids, [], collector)
@@ -887,6 +975,8 @@ class DistStore(KVStore):
         """Send ``kind`` to the scheduler once this worker's requests are answered, and wait
         in the one wait loop for ``answer``."""
         self._wait(what)
+        if self._rows_back:
+            self._forget_rows_back()
         self._control.send(kind, body)
         return self._wait(what, ids=(), answer=answer)
 

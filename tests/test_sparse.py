@@ -491,3 +491,59 @@ def test_save_rows_step_is_the_smallest_servers_step():
     store._send, store._wait = send, lambda what, ids=None: None
     rows, step = store._save_rows("e", 2)
     assert rows.indices.tolist() == [1, 4] and step == 3
+
+
+@given(
+    pushed=st.lists(st.integers(0, 50), max_size=30),
+    asked=st.lists(st.integers(0, 50), max_size=30),
+)
+def test_holds_ids_is_a_subset_test(pushed, asked):
+    """``holds_ids``: every asked id (any order, repeats) is among the pushed ones."""
+    unique = np.unique(np.array(pushed, np.int64))
+    ids = np.array(asked, np.int64)
+    assert sparse.holds_ids(unique, ids) == set(asked).issubset(pushed)
+    assert sparse.holds_ids(unique, unique)
+
+
+def test_outputs_of_one_pull_do_not_share_rows():
+    """Two outputs of one id set each get their own rows (changing one leaves the other)."""
+    shape = (10, 2)
+    ids = np.array([1, 4])
+    block = np.arange(4, dtype=np.float32).reshape(2, 2)
+    item = type("Item", (), {})()
+    item.key, item.outs, item.ids = (
+        "e",
+        [RowSparse.empty(shape), RowSparse.empty(shape)],
+        [ids, ids],
+    )
+    meta = type("Meta", (), {"shape": shape, "dtype": np.dtype(np.float32)})
+    collector = sparse.RowCollector([(item, ids, [np.arange(2)])], {"e": meta})
+    collector.expect(1, (("e", 0),))
+    collector.receive(1, [["e", 0]], [block])
+    collector.finish()
+    first, second = item.outs
+    first.data[...] = -1
+    assert np.array_equal(second.data, block) and np.array_equal(second.indices, ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 30),
+    dim=st.integers(0, 9),
+    dtype=st.sampled_from(["float16", "float32", "float64", "complex64"]),
+    data=st.data(),
+)
+def test_put_rows_is_fancy_assignment(rows, dim, dtype, data):
+    """``put_rows`` writes what ``block[slots] = rows`` writes (rows of another dtype or
+    strided rows included, which take NumPy's own path)."""
+    order = data.draw(st.permutations(range(rows)))
+    slots = np.array(order[: data.draw(st.integers(0, rows))], np.int64)
+    rng = np.random.default_rng(rows * 31 + dim)
+    block = rng.standard_normal((rows, dim)).astype(dtype)
+    pushed = rng.standard_normal((slots.size, 2 * dim)).astype(dtype)[:, ::2]  # strided
+    other = pushed.real.astype(np.float32 if dtype == "float64" else np.float64)
+    for value in (pushed, np.ascontiguousarray(pushed), other):
+        want, got = block.copy(), block.copy()
+        want[slots] = value
+        sparse.put_rows(got, slots.astype(np.int32), value)
+        assert np.array_equal(want, got, equal_nan=True)

@@ -66,3 +66,15 @@ def test_rows_through_shared_memory_are_exact(cluster, use):
         assert f"rows through {2 if use == '1' else 0} segments; OK 15 steps exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
     assert ours() <= before, ours() - before
+
+
+@pytest.mark.parametrize(
+    "num_server,num_worker,kind",
+    [(1, 2, "dist_sync"), (2, 2, "dist_sync"), (2, 3, "dist_sync"), (2, 2, "dist_async")],
+)
+def test_row_sparse_pull_after_push(cluster, num_server, num_worker, kind):
+    """A pull of rows just pushed reads them from the push's reply (dist_sync): the same
+    values as a pull, for repeats, several outputs, two keys and a second pull."""
+    c = cluster(num_server, num_worker)
+    outs = c.run_workers("sparse_pull_after_push.py", [kind], timeout=120)
+    assert all(f"OK 30 pulls after pushes ({kind})" in o for o in outs), outs

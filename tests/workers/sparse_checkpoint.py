@@ -24,6 +24,7 @@ kv.init("e", start)
 kv.init(["f", "g"], [RowSparse.empty(shape, np.float32)] * 2)
 rows, step = kv.save_rows("e")
 assert rows.indices.tolist() == [1, 2] and step == 0, (rows.indices, step)
+kv.barrier()  # dist_async applies a push on arrival: none before every worker has looked
 for n in range(3):
     kv.push("e", RowSparse([10 + W * n + rank], np.full((1, 3), rank + 1.0, np.float32), shape))
 kv.barrier()

@@ -1,8 +1,9 @@
 """Row-sparse rows through same-host shared segments, exactly: pushes of growing and
 shrinking row sets (each key's segment is made, replaced by a bigger one twice, then reused),
 answered by push + row_sparse_pull, pushpull, and pulls of other ids (more than a segment
-holds: TCP), each checked bit for bit against a NumPy model of the rounds (no optimizer: a
-round's touched rows become 0 + the pushes in rank order).
+holds: TCP), and a push made again before the first is answered (TCP); each checked bit for
+bit against a NumPy model of the rounds (no optimizer: a round's touched rows become 0 + the
+pushes in rank order).
 
 argv: steps.
 """
@@ -44,9 +45,11 @@ for step in range(steps):
     want[touched] = total[touched]
     ids, rows = every[rank]
     grad = RowSparse(ids, rows, shape)
-    how = step % 3
-    if how == 0:
+    how = step % 4
+    if how in (0, 3):
         kv.push("e", grad)
+        if how == 3:  # again, the first unanswered: TCP (the same rows: the same result)
+            kv.push("e", grad)
         out = RowSparse.empty(shape, np.float32)
         kv.row_sparse_pull("e", out=out, row_ids=ids)
         got, asked = out.data, out.indices
