@@ -948,12 +948,16 @@ class RowCollector:
     def expect(self, request: int, keys: tuple) -> None:
         self._expected[request] = keys
 
-    def receive(self, request: int, keys, arrays) -> None:
+    def receive(self, request: int, keys, arrays, codes=None) -> None:
+        """Write a reply's rows (``codes``: rows never come as codes; refused)."""
         from .plan import ReplyError
 
         asked = self._expected.pop(request, None)
         if asked is None or self.cancelled:
             return
+        if codes is not None:
+            self.cancel()
+            raise ReplyError("the reply holds codes, and rows are never compressed")
         if len(keys) != len(asked) or len(arrays) != len(asked):
             self.cancel()
             raise ReplyError(f"the reply holds {len(keys)} keys, expected {len(asked)}")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore import optimizer as opt
+from kvstore.compression import PullCodes
 from kvstore.protocol import Message
 from kvstore.replication import Backup
 from kvstore.rounds import Rounds
@@ -24,6 +25,7 @@ def make_server(num_workers: int, num_server: int = 1, rank: int = 0):
     s.cfg = SimpleNamespace(num_server=num_server, verbose=0)
     s.num_workers, s.rank, s.name = num_workers, rank, f"server {rank}"
     s.stored, s.sending, s._shm_of, s._roots = {}, {}, {}, {}
+    s.pull_codes = PullCodes()
     s.rounds = Rounds(num_workers, 0, describe=_show)
     s.rows = SparseKeys()
     s.updater = s.optimizer_spec = None
