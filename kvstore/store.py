@@ -85,6 +85,12 @@ def _norm_key(key):
     return int(key) if isinstance(key, np.integer) else key
 
 
+def _no_repeats(what: str, keys: list) -> None:
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+        raise ValueError(f"{what}: duplicate keys in one call: {_few(twice)}")
+
+
 def _few(keys: list, shown: int = 8) -> str:
     """``keys`` for an error message: the first few, and how many more."""
     text = ", ".join(repr(k) for k in keys[:shown])
@@ -198,9 +204,7 @@ class KVStore:
                     f"(store uses {(self._key_kind or type(norm[0])).__name__} keys, "
                     f"got {_few(norm)})"
                 )
-            if len(set(norm)) != len(norm):
-                twice = sorted({k for k in norm if norm.count(k) > 1}, key=str)
-                raise ValueError(f"{what}: duplicate keys in one call: {_few(twice)}")
+            _no_repeats(what, norm)
             if len(norm) >= _SEEN_FROM and self._key_kind is not None:
                 if len(self._seen_lists) >= 1024:  # key lists that never repeat
                     self._seen_lists.clear()
@@ -520,6 +524,7 @@ class KVStore:
                 not isinstance(given, (list, tuple)) or len(given) != len(keys)
             ):
                 raise ValueError(f"{what}: {len(keys)} keys but not one {name} entry per key")
+        _no_repeats(what, [_norm_key(k) for k in keys])
         rows, dense = [], []
         for i, k in enumerate(keys):
             k = _norm_key(k)
@@ -655,6 +660,7 @@ class KVStore:
             raise ValueError("row_sparse_pull: with a list of keys, give one row_ids per key")
         if len(outs) != len(keys):
             raise ValueError("row_sparse_pull: with a list of keys, give one out per key")
+        _no_repeats("row_sparse_pull", keys)
         self._pull_rows(self._rows_pull_items(keys, outs, ids))
 
     def _rows_pull_items(self, keys, outs, ids) -> list:

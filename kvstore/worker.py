@@ -336,7 +336,10 @@ class DistStore(KVStore):
         return msg_id
 
     def _transmit(self, server: int, msg: Message) -> list:
-        if self._rows_back:  # a message may change rows (or order a change): not read since
+        # a message may change rows or order a change (its answer waited on): the rows a
+        # push's reply brings are not read since; a row push is answered with no wait and
+        # changes its own keys' rows only (_push_rows forgets those)
+        if self._rows_back and msg.kind != "sparse_push":
             self._forget_rows_back()
         try:
             return transport.send(self._sockets[self._route[server]], msg)
@@ -802,7 +805,13 @@ class DistStore(KVStore):
         if self._staleness is not None:
             for item in items:
                 self._unacked[item.key] = ids
-        return Pending(lambda: self._collect("pushpull", ids, trackers, collector))
+
+        def finish():
+            if self._rows_back:  # its answer can order another worker's write (load_rows)
+                self._forget_rows_back()  # before a pull: a push's reply no longer serves it
+            self._collect("pushpull", ids, trackers, collector)
+
+        return Pending(finish)
 
     def _collector(self, items) -> Collector:
         keys = [item.key for item in items]
@@ -839,7 +848,7 @@ class DistStore(KVStore):
     def _push_rows(self, items):
         n, shm_servers = len(self._servers), self._planner.shm_servers
         if self._rows_back:  # a reply no pull read: its key stops asking now, not after
-            self._forget_rows_back()
+            self._forget_rows_back([item.key for item in items])
         back = None
         if (
             self._sync
@@ -866,13 +875,14 @@ class DistStore(KVStore):
             return
         self._wait("push", ids=(), trackers=trackers)
 
-    def _forget_rows_back(self) -> None:
-        """A message is going out: the rows a push's reply brings are no longer the rows a
-        pull would read. A key whose rows came back unread stops asking for them."""
-        for key, back in self._rows_back.items():
-            if not back.read:
+    def _forget_rows_back(self, keys=None) -> None:
+        """A message is going out (or an answer was waited on): the rows a push's reply
+        brings are no longer the rows a pull would read; of ``keys`` only, when given. A key
+        whose rows came back unread stops asking for them."""
+        for key in list(self._rows_back) if keys is None else keys:
+            back = self._rows_back.pop(key, None)
+            if back is not None and not back.read:
                 self._rows_ahead.discard(key)
-        self._rows_back = {}
 
     def _pull_from_push(self, items) -> bool:
         """Serve a ``row_sparse_pull`` from the reply of this worker's last push when nothing

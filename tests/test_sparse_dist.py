@@ -78,3 +78,27 @@ def test_row_sparse_pull_after_push(cluster, num_server, num_worker, kind):
     c = cluster(num_server, num_worker)
     outs = c.run_workers("sparse_pull_after_push.py", [kind], timeout=120)
     assert all(f"OK 30 pulls after pushes ({kind})" in o for o in outs), outs
+
+
+@pytest.mark.parametrize("what", ["pull", "push_then_pull_twice"])
+def test_a_row_sparse_key_named_twice_is_refused(cluster, what):
+    c = cluster(1, 1)
+    outs = c.run_workers("sparse_dup_keys.py", [what])
+    assert "OK dup keys" in outs[0], outs
+
+
+@pytest.mark.parametrize("control", ["", "1"])
+def test_a_pull_after_push_reads_a_load_a_pending_wait_ordered(cluster, control):
+    """A dense pushpull_async's answer can order another worker's load_rows before this
+    worker's row_sparse_pull: the push's reply no longer serves it. (control: the pull is
+    sent to the server, the same value.)"""
+    c = cluster(1, 2, SPARSE_CONTROL=control)
+    outs = c.run_workers("sparse_pending_load.py")
+    assert all("OK pending load" in o for o in outs), outs
+
+
+def test_push_every_key_then_pull_every_key_reads_the_replies(cluster):
+    """MXNet's trainer order over two keys: once learned, no pull is sent."""
+    c = cluster(1, 1)
+    outs = c.run_workers("sparse_two_keys_loop.py")
+    assert "OK two keys loop" in outs[0], outs
