@@ -94,6 +94,6 @@ def _buffers() -> tuple[np.ndarray, np.ndarray]:
     """Two int32 scratch arrays of one piece, per thread (a server sums in one thread; the
     tests may run several in one process)."""
     bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
+    if bufs is None or bufs[0].size < _PIECE:
         bufs = _scratch.bufs = (np.empty(_PIECE, np.int32), np.empty(_PIECE, np.int32))
     return bufs
