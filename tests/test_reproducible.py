@@ -2,9 +2,10 @@
 
 On the round machine (no processes): hypothesis draws W <= 8 workers' float32 or float16
 gradients (random normals of mixed scales, so that sums round; float16 ones long enough for
-the servers' fast float16 sum, ``kvstore.half``, and large enough to overflow), ranks that join after fewer rounds, and
-two interleavings of the same pushes and joins; both must apply bit-identical sums, equal to a
-reference that adds in the documented order (a pairwise tree over ranks) with NumPy. Then a
+the servers' fast float16 sum, ``kvstore.half``, and large enough to overflow), ranks that
+join after fewer rounds, and two interleavings of the same pushes and joins; both must apply
+bit-identical sums, equal to a reference that adds in the documented order (a pairwise tree
+over ranks) with NumPy. Then a
 real job, run three times with random delays, must end with one hash of its weights.
 """
 
