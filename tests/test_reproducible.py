@@ -5,8 +5,8 @@ gradients (random normals of mixed scales, so that sums round; float16 ones long
 the servers' fast float16 sum, ``kvstore.half``, and large enough to overflow), ranks that
 join after fewer rounds, and two interleavings of the same pushes and joins; both must apply
 bit-identical sums, equal to a reference that adds in the documented order (a pairwise tree
-over ranks) with NumPy. Then a
-real job, run three times with random delays, must end with one hash of its weights.
+over ranks) with NumPy. Then a real job, run three times with random delays, must end with
+one hash of its weights.
 """
 
 from __future__ import annotations
