@@ -1,13 +1,15 @@
-"""Sums of half-precision arrays at close to float32's speed, the same bits as NumPy's.
+"""Sums of float16 arrays 3-4x faster than NumPy's, the same bits.
 
 NumPy adds float16 one element at a time (widen to float32, add, round back: about 4 ns an
-element, 15x float32's add), and its float16 <-> float32 casts are scalar too. :func:`add`
-computes the same thing, ``float16(float32(a) + float32(b))`` rounded to nearest even, in
-whole-array integer passes over L2-sized pieces, which NumPy vectorises:
+element here, 20x float32's add), and its float16 <-> float32 casts are scalar too.
+:func:`add` computes the same thing, ``float16(float32(a) + float32(b))`` rounded to nearest
+even, in whole-array integer passes over L2-sized pieces, which NumPy vectorises (about 1 ns
+an element; a C loop would do better, but the servers are NumPy alone):
 
 - a float16's bits shifted left by 13 are the bits of a float32 equal to it times 2**-112
   (subnormals included: they land on float32's subnormals, whose bits are as linear), so two
-  shifted halves add as float32 to the exact float32 sum, scaled;
+  shifted halves add as float32 to their float32 sum times 2**-112, rounded alike (a sum
+  small enough to be subnormal there is exact in both);
 - the sum rounds back by dropping those 13 bits, to nearest even, with integer adds;
 - a piece where either side holds an infinity, a NaN or a value of 32768 or more (a sum
   that may overflow to infinity) is added by NumPy instead.
@@ -36,7 +38,7 @@ _scratch = threading.local()
 
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``np.add(a, b, out=out)``; float16 arrays of one shape, C-contiguous, in L2-sized
-    pieces at close to float32's speed (the same bits). ``out`` may be ``a`` or ``b``."""
+    pieces of integer passes (the same bits, 3-4x faster). ``out`` may be ``a`` or ``b``."""
     if (
         out.dtype != np.float16
         or a.dtype != np.float16
