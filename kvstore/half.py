@@ -19,8 +19,8 @@ therefore what a server computes, bit for bit.
 
 >>> a = np.array([1, 2.5, -0.0, 65504], np.float16)
 >>> out = np.empty_like(a)
->>> add(a, np.array([2**-11, 0.25, -0.0, 16], np.float16), out)
-array([ 1.   ,  2.75 , -0.   ,    inf], dtype=float16)
+>>> add(a, np.array([2**-11, 0.25, -0.0, 8], np.float16), out).tolist()  # ties to even
+[1.0, 2.75, -0.0, 65504.0]
 """
 
 from __future__ import annotations
