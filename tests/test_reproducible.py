@@ -103,13 +103,15 @@ def test_every_order_applies_the_same_bits_as_the_pairwise_tree(job, data):
     def give_back():
         return data.draw(st.booleans(), label="give back")
 
-    first = play(W, grads, interleave(data, W, counts, rounds, "order 1"), give_back)
-    second = play(W, grads, interleave(data, W, counts, rounds, "order 2"), give_back)
+    with np.errstate(over="ignore", invalid="ignore"):  # float16 sums may overflow to inf
+        first = play(W, grads, interleave(data, W, counts, rounds, "order 1"), give_back)
+        second = play(W, grads, interleave(data, W, counts, rounds, "order 2"), give_back)
     assert len(first) == len(second) == rounds
     for n in range(rounds):
         leaves = [grads[r][n] if n < counts[r] else None for r in range(W)]
-        expected = tree_sum(leaves)
-        assert expected.tobytes() == pairwise_sum(leaves).tobytes()
+        with np.errstate(over="ignore", invalid="ignore"):
+            expected = tree_sum(leaves)
+            assert expected.tobytes() == pairwise_sum(leaves).tobytes()
         assert first[n].tobytes() == expected.tobytes(), (n, first[n], expected)
         assert second[n].tobytes() == expected.tobytes(), (n, second[n], expected)
 
