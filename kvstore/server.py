@@ -34,6 +34,7 @@ from .compression import Compression, PullCodes, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
+from .half import add
 from .memory import trim, tune_allocator
 from .protocol import Message, ProtocolError, decode, error_reply, internal, request_id
 from .replication import Backup, Primary
@@ -524,7 +525,7 @@ class Server:
             if not action.accumulate and not forwarded:
                 self.rounds.give_back(key, value)  # the sum's buffer serves the next round
         else:
-            np.add(target, value, out=target)
+            add(target, value, target)
         self.stored[key] = target
 
     # ---- requests

@@ -194,3 +194,23 @@ def test_sum_order_smoke():
         [sys.executable, script, "--mode", "on", "--rounds", "3", "-w", "5"], timeout=120, cwd=ROOT
     )
     assert one.returncode == 0
+    half = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "-w",
+            "2",
+            "--sizes",
+            "4M",
+            "--budget",
+            "0.1",
+            "--dtype",
+            "float16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert half.returncode == 0, half.stderr
+    assert [r.split()[:2] for r in half.stdout.splitlines()[1:]] == [["2", "4M"]], half.stdout
