@@ -490,3 +490,70 @@ def test_a_round_pulled_both_compressed_and_exact_is_refused(cluster, other):
     outputs = c.run_workers("compressed_pulls_mixed.py", [other])
     assert all("refused" in o for o in outputs), outputs
     assert any("pulled both compressed and exact" in o for o in outputs), outputs
+
+
+@st.composite
+def pull_events(draw):
+    """Events a server's PullCodes sees for two keys: a round's sum applied (with its
+    value), another write, a compressed reply (with a threshold), an exact reply."""
+    kinds = st.sampled_from(["summed", "changed", "codes", "codes", "exact"])
+    events = []
+    for _ in range(draw(st.integers(1, 30))):
+        kind, key = draw(kinds), draw(st.sampled_from("ab"))
+        value = draw(arrays(np.float32, 6, elements=st.floats(-2, 2, width=32)))
+        events.append((kind, key, value, draw(st.sampled_from([0.5, 0.25]))))
+    return events, draw(st.sampled_from(["2bit", "1bit"])), draw(st.integers(1, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pull_events())
+def test_pull_codes_against_a_model(case):
+    """Every reply of one round carries the same codes; a round is never answered both as
+    codes and exact, nor with two codecs; codes come only for a round's sum; what was sent
+    plus the residual kept is every sum that was quantised (error feedback loses nothing)."""
+    events, scheme, workers = case
+    codes = compression.PullCodes()
+    model = {k: {"sum": None, "round": 0, "how": None, "sent": None} for k in "ab"}
+    quantised = {k: np.zeros(6) for k in "ab"}  # the sums quantised since the last write
+    decoded = {k: np.zeros(6) for k in "ab"}
+    for kind, key, value, t in events:
+        m = model[key]
+        params = {"type": scheme, "pull": True} | ({"threshold": t} if scheme == "2bit" else {})
+        codec = Compression.from_params(params)
+        if kind == "summed":
+            codes.summed(key)
+            m.update(sum=value, round=m["round"] + 1, how=None, sent=None)
+        elif kind == "changed":
+            codes.changed(key)
+            m.update(sum=None, how=None, sent=None)
+            quantised[key][:] = decoded[key][:] = 0
+        elif kind == "exact":
+            if m["sum"] is not None and m["how"] not in (None, "exact"):
+                with pytest.raises(ValueError, match="both compressed and exact"):
+                    codes.exact(key)
+            else:
+                codes.exact(key)
+                m["how"] = "exact" if m["sum"] is not None else None
+        else:
+            if m["sum"] is None:
+                assert codes.codes(key, value, codec, workers) is None
+            elif m["how"] == "exact":
+                with pytest.raises(ValueError, match="both compressed and exact"):
+                    codes.codes(key, m["sum"], codec, workers)
+            elif m["how"] not in (None, codec):
+                with pytest.raises(ValueError, match="different gradient compressions"):
+                    codes.codes(key, m["sum"], codec, workers)
+            else:
+                packed, header = codes.codes(key, m["sum"], codec, workers)
+                if m["how"] is None:  # the round's first: quantised now
+                    m.update(how=codec, sent=(packed, header))
+                    quantised[key] += m["sum"]
+                    decoded[key] += codec.decode(packed, header, 6, np.float32)
+                    if scheme == "2bit":
+                        assert header == [t * workers]
+                else:  # the same codes, not quantised again
+                    assert packed is m["sent"][0] and header is m["sent"][1]
+    for key in "ab":
+        residual = codes._residuals.get(key)
+        kept = np.zeros(6) if residual is None else residual
+        np.testing.assert_allclose(decoded[key] + kept, quantised[key], rtol=1e-5, atol=1e-5)
