@@ -436,7 +436,6 @@ class KVStore:
             self._check_pull_compression()
         self._compression = compression
         self._residuals = {}
-        self._pull_codes = PullCodes()
 
     def _check_pull_compression(self) -> None:
         """Raise where compressed pulls do not apply: a store whose updates run in it."""
@@ -855,6 +854,10 @@ class LocalStore(KVStore):
         self._residuals: dict = {}
         self._pull_codes = PullCodes()  # compressed pulls, quantised lazily as on the servers
         self._pushes: dict = {}  # key -> the values its last push summed (compressed pulls)
+
+    def set_gradient_compression(self, params: dict) -> None:
+        super().set_gradient_compression(params)
+        self._pull_codes = PullCodes()
 
     def _init(self, items, members=None):  # one worker: a group of it is every worker
         for item in items:
