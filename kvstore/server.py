@@ -65,6 +65,9 @@ class Request:
 
     identity: bytes
     msg: Message
+    # a row pushpull's: {key index: the view of its worker's pull region} its round writes
+    # its rows into and its reply names (Server._pull_outs); None: not worked out
+    outs: dict | None = None
 
 
 class Server:
@@ -1206,15 +1209,16 @@ class Server:
                 check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
         grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
         rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
-        actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
+        req = Request(identity, msg)
+        # a pushpull's round writes the rows straight into the worker's pull region
+        req.outs = self._pull_outs(req, keys) if sync and self._shm_of else {}
+        actions = self.rounds.push(req, rank, grads, sync, time.monotonic())
         # the rows are filed only where the rounds took the push (not after join(), not into
         # a dead round, not with another staleness); Apply actions run after, in _execute.
-        # A pushpull's round writes the rows straight into the worker's pull region.
-        outs = self._pull_outs(Request(identity, msg), keys) if sync and self._shm_of else {}
         for i, key in enumerate(keys):
             if self._took(key, rank, rounds[i], sync, actions):
                 ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-                self.rows.add(key, rounds[i], rank, ids, rows, sync, outs.get(i))
+                self.rows.add(key, rounds[i], rank, ids, rows, sync, req.outs.get(i))
         self._execute(actions)
 
     def _pull_outs(self, req: Request, keys: list) -> dict:
@@ -1350,7 +1354,9 @@ class Server:
             # no other reply of the key in flight), where they fit: gathered straight there
             pushpull = msg.kind == "sparse_push"  # the rows pushed, after the round
             regions = {}
-            if self._shm_of:
+            if pushpull and req.outs is not None:
+                regions = req.outs  # the very views its round wrote (or not) into
+            elif self._shm_of:
                 regions = self._pull_outs(req, keys) if pushpull else self._pull_regions(req, keys)
             arrays = []
             for i, key in enumerate(keys):

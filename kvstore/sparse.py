@@ -199,16 +199,6 @@ def put_rows(block: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
     np.put(block.view(item).reshape(-1), slots, rows.view(item).reshape(-1))
 
 
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``a`` and ``b`` are the same elements (one buffer, shape and strides)."""
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and a.strides == b.strides
-        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-    )
-
-
 def _from_coo(rows, cols, values, shape) -> RowSparse:
     rows = np.asarray(rows, np.int64)
     ids, inverse = np.unique(rows, return_inverse=True)
@@ -531,7 +521,7 @@ class RowTable:
         rows = hit[2]
         if rows is None:
             return self._gather(hit[1], out)
-        if out is None or _same_memory(out, rows):
+        if out is None or out is rows:  # (out: the view the round wrote into)
             return rows  # a new array of this round, never written again
         np.copyto(out, rows)
         return out
