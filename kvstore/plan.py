@@ -73,9 +73,6 @@ class Outgoing(NamedTuple):
     arrays: tuple  # one flat slice (or compressed codes) per key, or none (a pull)
     shared: tuple = ()  # indices of arrays that may travel through a shared segment
     residuals: tuple = ()  # ((key, part), new residual): kept once this message is sent
-    # ((array index, rows, positions), ...): arrays left None in ``arrays``, to be made as
-    # ``rows.take(positions, axis=0)`` straight into their shared segment (or made so)
-    taken: tuple = ()
 
 
 class Planner:

@@ -901,34 +901,24 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
     from .plan import SHM_FROM, Outgoing
 
     splits = [split_by_server(item.value.indices, num_server) for item in items]
-    legs: list = [([], [], []) for _ in range(num_server)]
+    legs: list = [([], []) for _ in range(num_server)]
     for item, split in zip(items, splits, strict=True):
         v = item.value
-        width = v.data.itemsize * (v.data.shape[1] if v.data.ndim == 2 else 0)
         for server, pos in enumerate(split):
-            keys, arrays, taken = legs[server]
+            keys, arrays = legs[server]
             keys.append((item.key, server))
             if num_server == 1:
                 arrays += [v.indices, np.ascontiguousarray(v.data)]
-            elif server in shm_servers and pos.size * width >= SHM_FROM:
-                # taken by the driver straight into the segment (or made there): one copy
-                taken.append((len(arrays) + 1, v.data, pos))
-                arrays += [v.indices.take(pos), None]
             else:  # take (unbuffered: the positions are valid) is twice as fast as [pos]
                 arrays += [v.indices.take(pos), np.take(v.data, pos, axis=0, mode="clip")]
     body = {"sync": sync} if pulls is None else {"sync": sync, "pull": True}
     out = []
-    for s, (keys, arrays, taken) in enumerate(legs):
+    for s, (keys, arrays) in enumerate(legs):
         shared = ()
         if s in shm_servers:  # the rows of each key (array 2i + 1), when big enough
-            shared = tuple(i for i in range(1, len(arrays), 2) if _nbytes(arrays[i]) >= SHM_FROM)
-            shared = tuple(sorted({*shared, *(i for i, _, _ in taken)}))
+            shared = tuple(i for i in range(1, len(arrays), 2) if arrays[i].nbytes >= SHM_FROM)
         wire = [list(x) for x in keys]
-        out.append(
-            Outgoing(
-                s, "sparse_push", tuple(keys), wire, body, tuple(arrays), shared, (), tuple(taken)
-            )
-        )
+        out.append(Outgoing(s, "sparse_push", tuple(keys), wire, body, tuple(arrays), shared))
     if pulls is None:
         return out
     wanted = [
@@ -936,10 +926,6 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
         for item, pull, split in zip(items, pulls, splits, strict=True)
     ]
     return out, RowCollector(wanted, metas)
-
-
-def _nbytes(array) -> int:
-    return 0 if array is None else array.nbytes
 
 
 def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:

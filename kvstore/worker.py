@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import math
 import os
 import sys
 import threading
@@ -367,9 +366,6 @@ class DistStore(KVStore):
                 body = {"keys": out.wire, **out.body}
                 here = out.server not in moved  # else its parts moved: TCP, no segment
                 used = self._to_segments(out, arrays) if out.shared and here else []
-                for index, rows, pos in out.taken:  # no segment took them: made here
-                    if arrays[index] is None:
-                        arrays[index] = np.take(rows, pos, axis=0, mode="clip")
                 if used:
                     body["shm"] = [entry for _, _, entry in used]
                 pulling = out.kind in _PULLING or out.body.get("pull") is True
@@ -424,22 +420,15 @@ class DistStore(KVStore):
         ``2i + 1``: key ``i``) add the segment's size, which grows with the rows pushed."""
         used = []
         rows = out.kind == "sparse_push"
-        taken = {index: (data, pos) for index, data, pos in out.taken}
         for index in out.shared:
             where = out.keys[index // 2 if rows else index]
             last = self._shm_last.get(where)
             if where in self._no_segment or (last is not None and last in self._requests):
                 continue  # no room, or the server has not answered the last push: TCP
-            piece, source = arrays[index], taken.get(index)
-            if piece is None:  # rows still to take (plan_push): an empty stand-in says the shape
-                data, pos = source
-                piece = np.empty((0, *data.shape[1:]), data.dtype)
-                nbytes = pos.size * data.itemsize * math.prod(data.shape[1:])
-            else:
-                nbytes = piece.nbytes
+            piece = arrays[index]
             try:
                 if rows:
-                    segment = self._row_segment(where, nbytes)
+                    segment = self._row_segment(where, piece.nbytes)
                     if segment is None:
                         continue
                 else:
@@ -450,16 +439,11 @@ class DistStore(KVStore):
                     "no room in %s for key %r (%d bytes: %s); it goes through TCP",
                     shm.SHM_DIR,
                     where[0],
-                    2 * nbytes,
+                    2 * piece.nbytes,
                     exc.strerror or exc,
                 )
                 continue
-            if source is not None:
-                data, pos = source
-                region = segment.push[:nbytes].view(data.dtype)
-                region = region.reshape(pos.size, *data.shape[1:])
-                np.take(data, pos, axis=0, out=region, mode="clip")  # the positions are valid
-            elif rows:
+            if rows:
                 region = segment.push[: piece.nbytes].view(piece.dtype).reshape(piece.shape)
                 np.copyto(region, piece)
             else:

@@ -558,37 +558,3 @@ def test_put_rows_is_fancy_assignment(rows, dim, dtype, data):
         want[slots] = value
         sparse.put_rows(got, slots.astype(np.int32), value)
         assert np.array_equal(want, got, equal_nan=True)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    sizes=st.lists(st.integers(0, 700), min_size=1, max_size=3),
-    servers=st.integers(1, 3),
-    shm=st.sets(st.integers(0, 2)),
-    seed=st.integers(0, 2**31),
-)
-def test_push_plan_leaves_big_rows_to_take_into_a_segment(sizes, servers, shm, seed):
-    """plan_push leaves the rows for a same-host server that are big enough for a segment
-    (``Outgoing.taken``: taken straight into it by the driver) as None; taking them gives
-    the arrays of the plan with no shared server, bit for bit, and every taken array is
-    one the driver may share."""
-    from kvstore.plan import SHM_FROM
-    from kvstore.store import RowsItem
-
-    rng = np.random.default_rng(seed)
-    items = []
-    for k, n in enumerate(sizes):
-        ids = np.unique(rng.integers(0, 10**6, n))
-        data = rng.standard_normal((ids.size, 64)).astype(np.float32)
-        items.append(RowsItem(k, RowSparse(ids, data, (10**6, 64))))
-    plain = sparse.plan_push(items, servers, True)
-    shared = sparse.plan_push(items, servers, True, shm_servers=shm)
-    for a, b in zip(plain, shared, strict=True):
-        arrays = list(b.arrays)
-        for index, rows, pos in b.taken:
-            assert arrays[index] is None and index in b.shared and b.server in shm
-            arrays[index] = np.take(rows, pos, axis=0)
-            assert arrays[index].nbytes >= SHM_FROM
-        assert all(x is not None for x in arrays) and len(arrays) == len(a.arrays)
-        for x, y in zip(a.arrays, arrays, strict=True):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
