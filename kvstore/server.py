@@ -1211,7 +1211,7 @@ class Server:
         rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
         req = Request(identity, msg)
         # a pushpull's round writes the rows straight into the worker's pull region
-        req.outs = self._pull_outs(req, keys) if sync and self._shm_of else {}
+        req.outs = self._pull_outs(req, keys) if self._shm_of else {}
         actions = self.rounds.push(req, rank, grads, sync, time.monotonic())
         # the rows are filed only where the rounds took the push (not after join(), not into
         # a dead round, not with another staleness); Apply actions run after, in _execute.
