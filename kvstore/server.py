@@ -66,7 +66,7 @@ class Request:
     identity: bytes
     msg: Message
     # a row pushpull's: {key index: the view of its worker's pull region} its round writes
-    # its rows into and its reply names (Server._pull_outs); None: not worked out
+    # its rows into and its reply names, if that is still the key's region (_pull_outs)
     outs: dict | None = None
 
 
@@ -1211,27 +1211,35 @@ class Server:
         rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
         req = Request(identity, msg)
         # a pushpull's round writes the rows straight into the worker's pull region
-        req.outs = self._pull_outs(req, keys) if self._shm_of else {}
+        req.outs = self._pull_outs(req, keys) if self._shm_of else {}  # {i: (region, view)}
         actions = self.rounds.push(req, rank, grads, sync, time.monotonic())
         # the rows are filed only where the rounds took the push (not after join(), not into
         # a dead round, not with another staleness); Apply actions run after, in _execute.
         for i, key in enumerate(keys):
             if self._took(key, rank, rounds[i], sync, actions):
                 ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-                self.rows.add(key, rounds[i], rank, ids, rows, sync, req.outs.get(i))
+                out = req.outs.get(i)
+                self.rows.add(key, rounds[i], rank, ids, rows, sync, out and out[1])
         self._execute(actions)
 
-    def _pull_outs(self, req: Request, keys: list) -> dict:
+    def _pull_outs(self, req: Request, keys: list, known: dict | None = None) -> dict:
         """{key index: the view of the worker's pull region its reply's rows of that key
-        would take} for a row push answered with its rows (None where they do not fit)."""
+        would take} for a row push answered with its rows (none where they do not fit).
+        A view in ``known`` (those its round wrote into) is the one given while its
+        segment is still the key's (a worker replaces a segment only once no reply may
+        come through the old one; if it did, the rows go to the new one, copied)."""
         if req.msg.kind != "sparse_push" or not req.msg.body.get("pull"):
             return {}
         outs = {}
         for i, region in self._pull_regions(req, keys).items():
             table, ids = self.rows.tables[keys[i]], req.msg.arrays[2 * i]
-            if ids.size * table.dim * table.dtype.itemsize <= region.nbytes:
-                outs[i] = region[: ids.size * table.dim * table.dtype.itemsize]
-                outs[i] = outs[i].view(table.dtype).reshape(ids.size, table.dim)
+            need = ids.size * table.dim * table.dtype.itemsize
+            old = known.get(i) if known else None
+            if old is not None and old[0] is region:
+                outs[i] = old[1]
+            elif need <= region.nbytes:
+                view = region[:need].view(table.dtype).reshape(ids.size, table.dim)
+                outs[i] = (region, view) if known is None else view
         return outs
 
     def _shared_rows(self, msg: Message, keys: list, rank: int) -> None:
@@ -1354,10 +1362,10 @@ class Server:
             # no other reply of the key in flight), where they fit: gathered straight there
             pushpull = msg.kind == "sparse_push"  # the rows pushed, after the round
             regions = {}
-            if pushpull and req.outs is not None:
-                regions = req.outs  # the very views its round wrote (or not) into
+            if self._shm_of and pushpull:  # the very views its round wrote into, if current
+                regions = self._pull_outs(req, keys, req.outs or {})
             elif self._shm_of:
-                regions = self._pull_outs(req, keys) if pushpull else self._pull_regions(req, keys)
+                regions = self._pull_regions(req, keys)
             arrays = []
             for i, key in enumerate(keys):
                 table, out = self.rows.tables[key], regions.get(i)
