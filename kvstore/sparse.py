@@ -491,7 +491,7 @@ class RowTable:
     def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array,
         or written into ``out`` (returned)."""
-        for pushed, slots in self.recent.values():  # a worker's step: push, pull the same ids
+        for pushed, slots, _ in self.recent.values():  # a worker's step: push, pull the same ids
             if pushed.size != ids.size or (ids.size and pushed[-1] != ids[-1]):
                 continue  # (one compare rules out most of many workers' pushes)
             if np.array_equal(pushed, ids):
@@ -512,11 +512,19 @@ class RowTable:
         return np.take(self.block, slots, axis=0, out=out, mode="clip")
 
     def pushed_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`read` of the ids of a push of the round just applied, without a lookup."""
+        """:meth:`read` of the ids of a push of the round just applied, without a lookup:
+        the round's rows of that push as :meth:`assign_sums` kept them (no gather), or
+        gathered by their slots."""
         hit = self.recent.get(id(ids))
-        if hit is not None and hit[0] is ids:
+        if hit is None or hit[0] is not ids:
+            return self.read(ids, out)
+        rows = hit[2]
+        if rows is None:
             return self._gather(hit[1], out)
-        return self.read(ids, out)
+        if out is None or out is rows:  # (out: the view the round wrote into)
+            return rows  # a new array of this round, never written again
+        np.copyto(out, rows)
+        return out
 
     def changed_since(self, step: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted;
@@ -534,39 +542,58 @@ class RowTable:
     # ---- writes
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Set rows (an init or a load), sorted unique ids; their step becomes the current."""
+        self.recent = {}  # the rows a round's replies would send are not these rows' now
         slots = self.slots_of(ids)
         self.block[slots] = rows
         self.changed[slots] = self.step
 
-    def assign_sums(self, pushes: list) -> None:
+    def assign_sums(self, pushes: list, outs: list | None = None) -> None:
         """A round without an optimizer from its pushes ``[(ids, rows)]`` (each sorted and
-        unique, in rank order): the touched rows become their sum."""
+        unique, in rank order): the touched rows become their sum. Each push's rows after
+        the round are kept for :meth:`pushed_rows` (its reply), written where ``outs[i]``
+        says when that is an array of the push's shape and dtype (a worker's pull region):
+        no gather from the table afterwards."""
         self._next_step()
-        if len(pushes) == 1:
-            ids, rows = pushes[0]
-            slots = [self.slots_of(ids)]
-            put_rows(self.block, slots[0], rows)
-            self.changed[slots[0]] = self.step
-        else:
+        outs = outs or [None] * len(pushes)
+        kept, dups = [], []
+        zero = self.dtype.type(0)
+        for (ids, rows), out in zip(pushes, outs, strict=True):
+            if out is not None and (out.shape != rows.shape or out.dtype != self.dtype):
+                out = None
+            found, where = self.find(ids)
+            again = None
+            if kept and self.count:  # (before the round's first push no row is at this step)
+                again = found & (self.changed.take(where, mode="clip") == self.step)
+                again = again if again.any() else None
+            if not found.all():
+                where = self._create(ids, found, where)
+            if len(pushes) == 1:  # the sum of one push is that push, bit for bit
+                sums = rows if out is None else out
+                if out is not None:
+                    np.copyto(out, rows)
+                put_rows(self.block, where, sums)
+                self.changed[where] = self.step
+                kept.append((ids, where, sums if out is not None else None))
+                break
             # the bits of 0 + a + b, in rank order, with one scatter per push: a row's first
             # push this round writes 0 + its rows, a later push adds to them (a row changed
             # at this step was written by an earlier push of the round)
-            zero, slots = self.dtype.type(0), []
-            for ids, rows in pushes:
-                found, where = self.find(ids)
-                again = None
-                if self.count:
-                    again = found & (self.changed.take(where, mode="clip") == self.step)
-                    again = again if again.any() else None
-                if not found.all():
-                    where = self._create(ids, found, where)
-                self.changed[where] = self.step
-                earlier = None if again is None else self.block[where[again]]
-                put_rows(self.block, where, np.add(zero, rows))
-                if earlier is not None:
-                    self.block[where[again]] = earlier + rows[again]
-                slots.append(where)
-        self.recent = {id(ids): (ids, where) for (ids, _), where in zip(pushes, slots, strict=True)}
+            self.changed[where] = self.step
+            earlier = None if again is None else self.block[where[again]]
+            sums = np.add(zero, rows, out=out)
+            put_rows(self.block, where, sums)
+            if earlier is not None:
+                sums[again] = earlier + rows[again]
+                self.block[where[again]] = sums[again]
+                dups.append(ids[again])
+            kept.append((ids, where, sums))
+        if dups:  # rows pushed more than once: every push's copy gets the final sum
+            twice = np.unique(np.concatenate(dups)) if len(dups) > 1 else dups[0]
+            for ids, where, sums in kept:
+                pos = np.searchsorted(ids, twice).clip(max=max(ids.size - 1, 0))
+                pos = pos[ids[pos] == twice] if ids.size else pos[:0]
+                sums[pos] = self.block[where[pos]]
+        self.recent = {id(ids): (ids, where, sums) for ids, where, sums in kept}
 
     def _next_step(self) -> None:
         self.recent = {}
@@ -732,9 +759,11 @@ class SparseKeys:
             found = self.placeholders[dtype] = np.empty(0, dtype)
         return found
 
-    def add(self, where, round_: int, rank: int, ids, rows, sync: bool) -> None:
+    def add(self, where, round_: int, rank: int, ids, rows, sync: bool, out=None) -> None:
+        """File a push for its round (``out``: where its rows after the round may be
+        written, the pushing worker's pull region; see :meth:`RowTable.assign_sums`)."""
         if sync:
-            self.pending[where].setdefault(round_, []).append((rank, ids, rows))
+            self.pending[where].setdefault(round_, []).append((rank, ids, rows, out))
         else:
             self.arrivals[where].append((ids, rows))
 
@@ -752,14 +781,14 @@ class SparseKeys:
         self.rounds_done[where] += 1
         pushes.sort(key=lambda p: p[0])
         if optimizer is None and table.admit_after == 1:
-            table.assign_sums([(i, r) for _, i, r in pushes])
+            table.assign_sums([(i, r) for _, i, r, _ in pushes], [o for *_, o in pushes])
             return
         shape = (table.rows, table.dim)
-        total = sum_rows([RowSparse(i, r, shape) for _, i, r in pushes], shape, table.dtype)
+        total = sum_rows([RowSparse(i, r, shape) for _, i, r, _ in pushes], shape, table.dtype)
         slots = table.apply(total.indices, total.data, optimizer, t, lr)
         if slots is not None:
             table.recent = {
-                id(i): (i, slots[np.searchsorted(total.indices, i)]) for _, i, _ in pushes
+                id(i): (i, slots[np.searchsorted(total.indices, i)], None) for _, i, *_ in pushes
             }
 
 

@@ -330,12 +330,15 @@ def test_admission_candidates_age_out():
     sgd=st.booleans(),
     seed=st.integers(0, 2**31),
     direct=st.booleans(),
+    regions=st.lists(st.booleans(), min_size=3, max_size=3),
 )
-def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct, regions):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
     without an optimizer, summed first with one) leaves the same bits as adding the pushes
-    in rank order and applying the sum; the rows a pushpull answers are its pushed rows.
-    With a direct id map, and with the sorted index alone (as the twin); bit for bit."""
+    in rank order and applying the sum; the rows a pushpull answers are its pushed rows,
+    written into the pushing worker's pull region (``out``, for the ranks in ``regions``)
+    by the round itself without an optimizer, and by the reply with one. With a direct id
+    map, and with the sorted index alone (as the twin); bit for bit."""
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
     keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
@@ -343,11 +346,13 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
     optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
     shape = (ROWS, DIM)
     for n, pushes in enumerate(rounds):
-        values = []
+        values, outs = [], {}
         for rank, ids in reversed(list(enumerate(pushes))):  # arrival order: any
             ids = np.unique(np.array(ids, np.int64))
             rows = rng.standard_normal((ids.size, DIM)).astype(np.float32)
-            keys.add("k", n, rank, ids, rows, sync=True)
+            if regions[rank]:  # stale bytes, as a region read before holds
+                outs[rank] = np.full((ids.size, DIM), np.nan, np.float32)
+            keys.add("k", n, rank, ids, rows, sync=True, out=outs.get(rank))
             values.append((rank, RowSparse(ids, rows, shape)))
         keys.apply("k", False, optimizer, n + 1, 0.1)
         # the reference: 0 + each push in rank order, on a dense float32 table
@@ -358,9 +363,15 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
         twin.apply(touched, total[touched], optimizer, n + 1, 0.1)
         table = keys.tables["k"]
         bits = np.testing.assert_array_equal
-        for _, v in values:
+        for rank, v in values:
             want = twin.read(v.indices).view(np.uint32)
             bits(table.pushed_rows(v.indices).view(np.uint32), want)
+            if rank in outs:  # as the reply writes it there: the same bits, at once or copied
+                if optimizer is None:  # the round wrote them there
+                    bits(outs[rank].view(np.uint32), want)
+                got = table.pushed_rows(v.indices, outs[rank])
+                assert got is outs[rank]
+                bits(got.view(np.uint32), want)
             # a pull of the same ids (another array: the step's pull) reads the same rows
             bits(table.read(v.indices.copy()).view(np.uint32), want)
         everything = np.arange(ROWS)
