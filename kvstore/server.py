@@ -40,7 +40,7 @@ from .protocol import Message, ProtocolError, decode, error_reply, internal, req
 from .replication import Backup, Primary
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import acting, row_server
-from .sparse import SparseKeys, check_init, check_optimizer, dump_states, load_states
+from .sparse import SparseKeys, bounds_of, check_init, check_optimizer, dump_states, load_states
 
 log = logging.getLogger("kvstore.server")
 
@@ -1133,11 +1133,11 @@ class Server:
 
     def _rows_of(self, key: tuple, ids: np.ndarray, rows=None) -> None:
         """Check a request's row ids (and rows) for ``key``: sorted, unique, in range, and
-        this server's (sharding.row_server)."""
+        this server's (sharding.row_server, or its range: sharding.row_bounds)."""
         table = self.rows.tables[key]
-        self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows)
+        self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows, table.init)
 
-    def _check_rows(self, key: tuple, nrows: int, dim: int, dtype, ids, rows=None) -> None:
+    def _check_rows(self, key: tuple, nrows: int, dim: int, dtype, ids, rows, init) -> None:
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
         if ids.size:
@@ -1146,7 +1146,15 @@ class Server:
                     f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows})"
                 )
             servers = self.cfg.num_server
-            if servers > 1 and (row_server(ids, servers) != key[1]).any():
+            bounds = bounds_of(init.get("sharding", "hash"), nrows, servers)
+            if bounds is not None:  # sorted: the first and the last say it
+                low, high = bounds[key[1]], bounds[key[1] + 1]
+                if ids[0] < low or ids[-1] >= high:
+                    raise ValueError(
+                        f"key {_show(key)}: row ids of another server (this one holds "
+                        f"[{low}, {high}))"
+                    )
+            elif servers > 1 and (row_server(ids, servers) != key[1]).any():
                 raise ValueError(f"key {_show(key)}: row ids of another server")
         if rows is not None and (rows.dtype != dtype or rows.shape != (ids.size, dim)):
             raise ValueError(
@@ -1185,9 +1193,9 @@ class Server:
             dtype = np.dtype(dtype)
             if dtype.kind not in "fc":
                 raise ValueError(f"key {_show(key)}: a row-sparse key holds floats, not {dtype}")
-            check_init(init)
+            init = check_init(init)
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-            self._check_rows(key, rows, dim, dtype, ids, data)
+            self._check_rows(key, rows, dim, dtype, ids, data, init)
             made.append((key, rows, dim, dtype, init, ids, data))
         for key, rows, dim, dtype, init, ids, data in made:
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)

@@ -70,6 +70,19 @@ def row_server(ids, num_server: int):
     return mixed.view(np.int64)
 
 
+def row_bounds(rows: int, num_server: int) -> list[int]:
+    """Range sharding of a row-sparse key of ``rows`` logical rows (MXNet's and TorchRec's
+    row-wise layout): server s holds the ids ``[bounds[s], bounds[s + 1])``. A worker's sorted
+    ids then go to the servers as runs, not gathered per server, and their rows come back as
+    runs: no hash, no gather, no scatter. Balanced only when the ids touched are spread over
+    ``[0, rows)`` (hashed ids are); :func:`row_server` (the default) is balanced for any ids.
+
+    >>> row_bounds(10, 3)
+    [0, 3, 6, 10]
+    """
+    return [rows * s // num_server for s in range(num_server + 1)]
+
+
 def replicas(server: int, num_server: int, count: int, hosts=None) -> list[int]:
     """The servers holding the key parts whose primary is ``server``: ``server`` first, then
     its ``count - 1`` backups, the next servers in rank order, those on another host than

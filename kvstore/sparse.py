@@ -11,7 +11,9 @@ that were pushed, and a push or a pull carries only the rows it names.
 - :class:`RowTable` is one server's share of a key: a sorted id index (``np.searchsorted``)
   into a growable 2-D block, the optimizer's state in blocks of the same rows, and the step at
   which each row last changed (:meth:`RowTable.changed_since`). Every operation is vectorised.
-- :func:`kvstore.sharding.row_server` spreads the rows of a key over the servers by id.
+- :func:`kvstore.sharding.row_server` spreads the rows of a key over the servers by id (a
+  hash, the default); a key made with ``sharding="range"`` gives each server a range of ids
+  (:func:`kvstore.sharding.row_bounds`), so a worker's sorted ids travel as runs.
 
 >>> import numpy as np
 >>> g = RowSparse([3, 1, 3], np.ones((3, 2), np.float32), shape=(10, 2))
@@ -43,7 +45,11 @@ class RowSparse:
     """Rows ``indices`` of a ``shape = (rows, dim)`` table; ``data[i]`` is row ``indices[i]``.
 
     Ids need not be sorted or unique (duplicates are summed when pushed); every id must be in
-    ``[0, rows)``. ``init`` (for :meth:`KVStore.init`) says how rows never pushed start.
+    ``[0, rows)``. ``init`` (for :meth:`KVStore.init`) says how rows never pushed start;
+    ``sharding`` (for :meth:`KVStore.init` too) how the rows spread over the servers: "hash"
+    (the default: balanced for any ids) or "range" (server s holds a range of ids, as
+    MXNet's layout: fewer copies per request, balanced when the ids touched are spread over
+    the table, as hashed ids are).
 
     >>> v = RowSparse([0, 5], np.ones((2, 4), np.float32), shape=(10**9, 4))
     >>> v.dtype, v.nnz
@@ -52,7 +58,7 @@ class RowSparse:
 
     __slots__ = ("indices", "data", "shape", "init")
 
-    def __init__(self, indices, data, shape, init=None):
+    def __init__(self, indices, data, shape, init=None, sharding=None):
         if not isinstance(shape, (tuple, list)) or len(shape) != 2:
             raise ValueError(f"RowSparse: shape must be (rows, dim), got {shape!r}")
         rows, dim = (int(s) for s in shape)
@@ -86,6 +92,8 @@ class RowSparse:
         self.indices = ids.astype(np.int64, copy=False)
         self.data = block
         self.shape = (rows, dim)
+        if sharding is not None:
+            init = {**check_init(init), "sharding": sharding}
         self.init = check_init(init) if init is not None else None
 
     @property
@@ -107,7 +115,13 @@ class RowSparse:
     # ---- constructors
     @classmethod
     def empty(
-        cls, shape, dtype=np.float32, init=None, admit_after: int = 1, evict_after: int = 0
+        cls,
+        shape,
+        dtype=np.float32,
+        init=None,
+        admit_after: int = 1,
+        evict_after: int = 0,
+        sharding=None,
     ) -> RowSparse:
         """No rows: ``kv.init(key, RowSparse.empty((10**9, 64), init=uniform(-0.1, 0.1)))``
         declares a table whose rows are created when first pushed.
@@ -118,12 +132,14 @@ class RowSparse:
         ``evict_after=T``: a row no round has changed for T rounds is dropped (its next read
         gives its initial value again; checked every T/2 rounds), and so is a candidate no
         round pushed for T rounds (its count starts again). Without ``evict_after`` the
-        candidates are kept until admitted."""
+        candidates are kept until admitted.
+
+        ``sharding="range"``: each server holds a range of ids (see the class)."""
         dim = int(shape[1]) if isinstance(shape, (tuple, list)) and len(shape) == 2 else 0
         spec = check_init(init)
         if admit_after != 1 or evict_after:
             spec = check_init({**spec, "admit_after": admit_after, "evict_after": evict_after})
-        return cls(np.empty(0, np.int64), np.empty((0, dim), dtype), shape, spec)
+        return cls(np.empty(0, np.int64), np.empty((0, dim), dtype), shape, spec, sharding)
 
     @classmethod
     def from_dense(cls, array, init=None) -> RowSparse:
@@ -300,6 +316,11 @@ def check_init(spec) -> dict:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
                 raise ValueError(f"{rule} must be an int in [{low}, 2**31), got {value!r}")
             checked[rule] = value
+    sharding = spec.get("sharding", "hash")
+    if sharding not in ("hash", "range"):
+        raise ValueError(f'sharding must be "hash" or "range", got {sharding!r:.40}')
+    if sharding == "range":  # (hash, the default, is not written)
+        checked["sharding"] = "range"
     return checked
 
 
@@ -803,13 +824,21 @@ def check_since(key, since: int | None, step: int) -> None:
         )
 
 
-def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:
-    """Positions into ``ids`` of the rows each server holds (each in the order of ``ids``)."""
+def split_by_server(ids: np.ndarray, num_server: int, bounds=None) -> list:
+    """Where each server's rows are in ``ids``: an index array per server, in the order of
+    ``ids``; with ``bounds`` (range sharding, :func:`kvstore.sharding.row_bounds`) and
+    increasing ids, a ``slice`` per server (its ids are a run). :func:`size` counts either."""
     from .sharding import row_server
 
     if num_server == 1:
-        return [np.arange(ids.size)]
-    where = row_server(ids, num_server)
+        return [slice(0, ids.size)]
+    if bounds is not None:
+        if _increasing(ids):  # the runs: one binary search per server
+            edges = [0, *np.searchsorted(ids, bounds[1:-1]).tolist(), ids.size]
+            return [slice(lo, hi) for lo, hi in zip(edges, edges[1:], strict=False)]
+        where = np.searchsorted(np.asarray(bounds, np.int64), ids, side="right") - 1
+    else:
+        where = row_server(ids, num_server)
     if num_server == 2:  # two masks beat a sort
         first = where == 0
         return [np.flatnonzero(first), np.flatnonzero(~first)]
@@ -818,6 +847,18 @@ def split_by_server(ids: np.ndarray, num_server: int) -> list[np.ndarray]:
     order = np.argsort(where, kind="stable")
     bounds = np.searchsorted(where[order], np.arange(num_server + 1))
     return [order[bounds[s] : bounds[s + 1]] for s in range(num_server)]
+
+
+def size(pos) -> int:
+    """The number of ids at ``pos`` (an index array or a slice from :func:`split_by_server`)."""
+    return pos.stop - pos.start if isinstance(pos, slice) else int(pos.size)
+
+
+def bounds_of(sharding: str, rows: int, num_server: int):
+    """The range bounds of a key of ``rows`` rows sharded by ``sharding``; None when hashed."""
+    from .sharding import row_bounds
+
+    return row_bounds(rows, num_server) if sharding == "range" and num_server > 1 else None
 
 
 def check_ids(what: str, key, ids, rows: int) -> np.ndarray:
@@ -881,7 +922,8 @@ def plan_init(items, num_server: int) -> list:
     for item in items:
         v = item.value
         meta = [v.shape[0], v.shape[1], v.dtype.str, v.init or zeros()]
-        for server, pos in enumerate(split_by_server(v.indices, num_server)):
+        bounds = bounds_of(meta[3].get("sharding", "hash"), v.shape[0], num_server)
+        for server, pos in enumerate(split_by_server(v.indices, num_server, bounds)):
             keys, metas, arrays = legs[server]
             keys.append((item.key, server))
             metas.append(meta)
@@ -892,23 +934,28 @@ def plan_init(items, num_server: int) -> list:
     ]
 
 
-def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_servers=()):
+def plan_push(items, num_server: int, sync: bool, metas: dict, pulls=None, shm_servers=()):
     """``sparse_push`` per server, with every key: a server with none of a key's rows gets an
     empty set, so that its round of the key completes (it counts this worker's push). With
     ``pulls`` (a pushpull), each server answers with its rows once the round is applied, and
     a :class:`RowCollector` for them comes back too. The rows for a server in
-    ``shm_servers`` (on this host) may go through a shared segment (``Outgoing.shared``)."""
+    ``shm_servers`` (on this host) may go through a shared segment (``Outgoing.shared``).
+    ``metas``: each key's Meta (its shape and sharding). The rows of a range-sharded key
+    are views of the pushed value's (:func:`shares_rows`), the others copies."""
     from .plan import SHM_FROM, Outgoing
 
-    splits = [split_by_server(item.value.indices, num_server) for item in items]
+    splits = [
+        split_by_server(item.value.indices, num_server, _bounds(metas[item.key], num_server))
+        for item in items
+    ]
     legs: list = [([], []) for _ in range(num_server)]
     for item, split in zip(items, splits, strict=True):
         v = item.value
         for server, pos in enumerate(split):
             keys, arrays = legs[server]
             keys.append((item.key, server))
-            if num_server == 1:
-                arrays += [v.indices, np.ascontiguousarray(v.data)]
+            if isinstance(pos, slice):  # a run: views
+                arrays += [v.indices[pos], np.ascontiguousarray(v.data[pos])]
             else:  # take (unbuffered: the positions are valid) is twice as fast as [pos]
                 arrays += [v.indices.take(pos), np.take(v.data, pos, axis=0, mode="clip")]
     body = {"sync": sync} if pulls is None else {"sync": sync, "pull": True}
@@ -928,6 +975,16 @@ def plan_push(items, num_server: int, sync: bool, pulls=None, metas=None, shm_se
     return out, RowCollector(wanted, metas)
 
 
+def _bounds(meta, num_server: int):
+    return bounds_of(getattr(meta, "sharding", "hash"), meta.shape[0], num_server)
+
+
+def shares_rows(items, metas: dict, num_server: int) -> bool:
+    """Whether :func:`plan_push` sends views of the pushed rows (one server, or a range-
+    sharded key), which ZeroMQ may still read after the call returns."""
+    return num_server == 1 or any(_bounds(metas[i.key], num_server) for i in items)
+
+
 def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
     """``sparse_pull`` to the servers holding rows wanted (the ids of every output of a key
     asked once), and the :class:`RowCollector` that writes the replies."""
@@ -940,10 +997,10 @@ def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
             unique = _unique(item.ids[0])
         else:
             unique = np.unique(np.concatenate(item.ids)) if item.ids else np.empty(0, np.int64)
-        splits = split_by_server(unique, num_server)
+        splits = split_by_server(unique, num_server, _bounds(metas[item.key], num_server))
         wanted.append((item, unique, splits))
         for server, pos in enumerate(splits):
-            if pos.size:
+            if size(pos):
                 keys, arrays = legs[server]
                 keys.append((item.key, server))
                 arrays.append(unique[pos])
@@ -993,17 +1050,21 @@ class RowCollector:
         for where, got, rows in zip(asked, keys, arrays, strict=True):
             block = self._blocks[where[0]]
             pos = self._positions[where]
-            if list(got) != list(where) or rows.shape != (pos.size, block.shape[1]):
+            if list(got) != list(where) or rows.shape != (size(pos), block.shape[1]):
                 self.cancel()
                 raise ReplyError(
                     f"key {where[0]!r} server {where[1]}: got {got!r:.60} with rows "
-                    f"{rows.shape}, expected {pos.size} x {block.shape[1]}"
+                    f"{rows.shape}, expected {size(pos)} x {block.shape[1]}"
                 )
             if rows.dtype != block.dtype:
                 self.cancel()
                 raise ReplyError(f"key {where[0]!r}: rows of {rows.dtype}, expected {block.dtype}")
         for where, rows in zip(asked, arrays, strict=True):
-            put_rows(self._blocks[where[0]], self._positions[where], rows)
+            pos = self._positions[where]
+            if isinstance(pos, slice):  # a run: one copy
+                self._blocks[where[0]][pos] = rows
+            else:
+                put_rows(self._blocks[where[0]], pos, rows)
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.cancelled:

@@ -53,6 +53,7 @@ class Pending:
 class Meta:
     shape: tuple
     dtype: np.dtype
+    sharding: str = "hash"  # a row-sparse key's: "hash" or "range" (kvstore.sparse)
 
 
 @dataclass
@@ -647,7 +648,9 @@ class KVStore:
         for item in items:
             v = item.value
             # a row-sparse key's Meta: shape (rows, dim); the servers keep its init spec
-            self._meta[item.key] = self._sparse[item.key] = Meta(v.shape, np.dtype(v.dtype))
+            sharding = (v.init or {}).get("sharding", "hash")
+            meta = Meta(v.shape, np.dtype(v.dtype), sharding)
+            self._meta[item.key] = self._sparse[item.key] = meta
             self._key_kind = type(item.key)
 
     def _row_sparse_pull_rows(self, key, out, row_ids) -> None:

@@ -861,17 +861,17 @@ class DistStore(KVStore):
             for item in items:
                 item.value.indices = item.value.indices.copy()
             outgoing, collector = sparse.plan_push(
-                items, n, self._sync, back, self._sparse, shm_servers
+                items, n, self._sync, self._sparse, back, shm_servers
             )
         else:
-            outgoing = sparse.plan_push(items, n, self._sync, shm_servers=shm_servers)
+            outgoing = sparse.plan_push(items, n, self._sync, self._sparse, None, shm_servers)
             collector = None
         ids, trackers = self._commit("push", outgoing, collector)
         for i, item in enumerate(items):
             self._rows_pushed[item.key] = item.value.indices
             if back is not None:
                 self._rows_back[item.key] = _RowsBack(ids, collector, back[i])
-        if n > 1:  # the rows sent are copies (split by server): no wait
+        if not sparse.shares_rows(items, self._sparse, n):  # copies were sent: no wait
             return
         self._wait("push", ids=(), trackers=trackers)
 
@@ -928,10 +928,10 @@ class DistStore(KVStore):
         is applied."""
         n = len(self._servers)
         outgoing, collector = sparse.plan_push(
-            items, n, self._sync, pulls, self._sparse, self._planner.shm_servers
+            items, n, self._sync, self._sparse, pulls, self._planner.shm_servers
         )
         ids, trackers = self._commit("pushpull", outgoing, collector)
-        if n > 1:  # the rows sent are copies (split by server): the replies are enough
+        if not sparse.shares_rows(items, self._sparse, n):  # copies: the replies are enough
             trackers = []
         self._collect("pushpull", ids, trackers, collector)
 
@@ -975,7 +975,9 @@ class DistStore(KVStore):
         body: dict = {"keys": None}
         if step is not None:
             body["step"] = step
-        for s, pos in enumerate(sparse.split_by_server(value.indices, len(self._servers))):
+        n = len(self._servers)
+        bounds = sparse.bounds_of(self._sparse[key].sharding, value.shape[0], n)
+        for s, pos in enumerate(sparse.split_by_server(value.indices, n, bounds)):
             arrays = [value.indices[pos], np.ascontiguousarray(value.data[pos])]
             ids.append(self._send(s, "sparse_load", {**body, "keys": [[key, s]]}, arrays))
         self._wait("load_rows", ids)

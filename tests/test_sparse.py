@@ -180,16 +180,33 @@ def test_direct_map_comes_once_it_is_small_beside_the_rows():
     assert RowTable(64, np.float32, rows=2**23, direct_map=True).direct is None  # too many
 
 
-@settings(max_examples=80, deadline=None)
-@given(ids=st.lists(st.integers(0, 2**63 - 1), max_size=40), servers=st.integers(1, 5))
-def test_row_split_is_a_partition(ids, servers):
-    """Every id goes to exactly one server, the one row_server names, in the order given."""
+@settings(max_examples=150, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**63 - 2), max_size=40),
+    servers=st.integers(1, 5),
+    sharding=st.sampled_from(["hash", "range"]),
+    canonical=st.booleans(),
+)
+def test_row_split_is_a_partition(ids, servers, sharding, canonical):
+    """Every id goes to exactly one server, the one row_server (or the range) names, in the
+    order given; sorted ids of a range-sharded key as runs."""
     ids = np.array(ids, np.int64)
-    parts = sparse.split_by_server(ids, servers)
+    if canonical:
+        ids = np.unique(ids)
+    rows = 2**63 - 1
+    bounds = sparse.bounds_of(sharding, rows, servers)
+    parts = sparse.split_by_server(ids, servers, bounds)
     assert len(parts) == servers
-    assert sorted(np.concatenate(parts).tolist()) == list(range(ids.size))
-    for server, pos in enumerate(parts):
-        assert (row_server(ids[pos], servers) == server).all()
+    index = [np.arange(ids.size)[p] for p in parts]  # a slice or an index array alike
+    assert [sparse.size(p) for p in parts] == [i.size for i in index]
+    assert sorted(np.concatenate(index).tolist()) == list(range(ids.size))
+    if servers == 1 or (bounds is not None and canonical):
+        assert all(isinstance(p, slice) for p in parts)
+    for server, pos in enumerate(index):
+        if bounds is not None:
+            assert ((ids[pos] >= bounds[server]) & (ids[pos] < bounds[server + 1])).all()
+        else:
+            assert (row_server(ids[pos], servers) == server).all()
         assert (np.diff(pos) > 0).all()
 
 

@@ -5,12 +5,19 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    "num_server,num_worker,dtype",
-    [(1, 2, "float32"), (2, 2, "float16"), (2, 3, "float32"), (1, 3, "float16")],
+    "num_server,num_worker,dtype,sharding",
+    [
+        (1, 2, "float32", "hash"),
+        (2, 2, "float16", "hash"),
+        (2, 3, "float32", "hash"),
+        (1, 3, "float16", "hash"),
+        (2, 2, "float32", "range"),
+        (3, 3, "float32", "range"),
+    ],
 )
-def test_sparse_nightly(cluster, num_server, num_worker, dtype):
+def test_sparse_nightly(cluster, num_server, num_worker, dtype, sharding):
     c = cluster(num_server, num_worker)
-    outs = c.run_workers("sparse_nightly.py", ["dist_sync", dtype, 1], timeout=120)
+    outs = c.run_workers("sparse_nightly.py", ["dist_sync", dtype, 1, sharding], timeout=120)
     assert all(f"OK sparse {dtype}" in o for o in outs), outs
 
 
@@ -69,14 +76,24 @@ def test_rows_through_shared_memory_are_exact(cluster, use):
 
 
 @pytest.mark.parametrize(
-    "num_server,num_worker,kind",
-    [(1, 2, "dist_sync"), (2, 2, "dist_sync"), (2, 3, "dist_sync"), (2, 2, "dist_async")],
+    "num_server,num_worker,kind,sharding,shm",
+    [
+        (1, 2, "dist_sync", "hash", "1"),
+        (2, 2, "dist_sync", "hash", "1"),
+        (2, 3, "dist_sync", "hash", "1"),
+        (2, 2, "dist_async", "hash", "1"),
+        (3, 2, "dist_sync", "range", "1"),
+        (2, 2, "dist_async", "range", "1"),
+        (2, 2, "dist_sync", "range", "0"),
+    ],
 )
-def test_row_sparse_pull_after_push(cluster, num_server, num_worker, kind):
+def test_row_sparse_pull_after_push(cluster, num_server, num_worker, kind, sharding, shm):
     """A pull of rows just pushed reads them from the push's reply (dist_sync): the same
-    values as a pull, for repeats, several outputs, two keys and a second pull."""
-    c = cluster(num_server, num_worker)
-    outs = c.run_workers("sparse_pull_after_push.py", [kind], timeout=120)
+    values as a pull, for repeats, several outputs, two keys and a second pull; with the
+    rows spread by hash and by range (a range's rows go as views of the pushed value's:
+    through TCP too, KVSTORE_SHM=0)."""
+    c = cluster(num_server, num_worker, KVSTORE_SHM=shm)
+    outs = c.run_workers("sparse_pull_after_push.py", [kind, sharding], timeout=120)
     assert all(f"OK 30 pulls after pushes ({kind})" in o for o in outs), outs
 
 

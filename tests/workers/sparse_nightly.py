@@ -15,7 +15,7 @@
 With ``SGD(learning_rate=1, rescale_grad=rate)`` and pushes of ``-(rank + 1)``, a row pushed
 by a set of workers gains ``rate * sum(rank + 1)`` per round, as MXNet's 'test' optimizer.
 
-argv: kv type (dist_sync), dtype, seed.
+argv: kv type (dist_sync), dtype, seed, and optionally the keys' sharding (hash, range).
 """
 
 import sys
@@ -26,14 +26,21 @@ import kvstore
 from kvstore.sparse import RowSparse, init_rows, uniform
 
 kind, dtype, seed = sys.argv[1], np.dtype(sys.argv[2]), int(sys.argv[3])
+sharding = sys.argv[4] if len(sys.argv) > 4 else None
+
+
+def table(v):  # a key's initial value, with the sharding asked
+    return RowSparse(v.indices, v.data, v.shape, v.init, sharding=sharding)
+
+
 kv = kvstore.create(kind)
 rank, W = kv.rank, kv.num_workers
 rate, nrepeat = 2.0, 3
 shape, big_shape, huge = (2, 3), (1200, 1200), (10**9, 16)
-kv.init(["9", "11"], [RowSparse.from_dense(np.ones(shape, dtype))] * 2)
-kv.init("97", RowSparse.from_dense(np.ones(big_shape, dtype)))
+kv.init(["9", "11"], [table(RowSparse.from_dense(np.ones(shape, dtype)))] * 2)
+kv.init("97", table(RowSparse.from_dense(np.ones(big_shape, dtype))))
 init = uniform(-0.5, 0.5, seed=42)
-kv.init("huge", RowSparse.empty(huge, dtype, init=init))
+kv.init("huge", RowSparse.empty(huge, dtype, init=init, sharding=sharding))
 kv.init("dense", np.ones(shape, dtype))
 kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=1.0, rescale_grad=rate))
 
@@ -132,7 +139,7 @@ check("save_rows since", again.nnz, 0)
 # admission: a row is stored from the 2nd round that pushes it (a round counts once,
 # whatever the number of workers pushing the row); the SGD update then starts from its
 # initial value (0 here)
-kv.init("adm", RowSparse.empty(shape, dtype, admit_after=2))
+kv.init("adm", RowSparse.empty(shape, dtype, admit_after=2, sharding=sharding))
 for i in range(2):
     kv.push("adm", grad([1], shape, -(rank + 1)))
     got = np.zeros(shape, dtype)

@@ -18,11 +18,12 @@ import kvstore
 from kvstore.sparse import RowSparse
 
 kind = sys.argv[1]
+sharding = sys.argv[2] if len(sys.argv) > 2 else None
 kv = kvstore.create(kind)
 rank, W = kv.rank, kv.num_workers
 sync = kind == "dist_sync"
 shape = (3000, 8)
-kv.init(["e", "f"], [RowSparse.empty(shape, np.float32)] * 2)
+kv.init(["e", "f"], [RowSparse.empty(shape, np.float32, sharding=sharding)] * 2)
 want = {"e": np.zeros(shape, np.float32), "f": np.zeros(shape, np.float32)}
 
 sent: list = []
@@ -43,6 +44,7 @@ def pushes(step, key):
     for r in range(W):
         rng = np.random.default_rng([r, step, ord(key)])
         n = 0 if (r == W - 1 and step % 4 == 3) else int(rng.integers(1, 400))
+        n = 2000 if step % 5 == 2 else n  # rows of more than 16 KiB: their own frames
         ids = np.unique(rng.integers(0, shape[0] // W, n))
         ids = ids if sync else ids * W + r  # dist_async: rows of this worker's only
         out.append((ids, rng.standard_normal((ids.size, shape[1]), dtype=np.float32)))
@@ -64,6 +66,8 @@ def push(step, keys):
             want[key][ids] += rows
         grads.append(RowSparse(*every[rank], shape))
     kv.push(keys if len(keys) > 1 else keys[0], grads if len(keys) > 1 else grads[0])
+    for g in grads:  # the caller's rows are its own again once push returns
+        g.data[...] = np.nan
     return [g.indices for g in grads]
 
 

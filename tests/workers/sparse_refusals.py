@@ -19,6 +19,7 @@ from kvstore.sparse import RowSparse, uniform
 kv = kvstore.create("dist_sync")
 shape = (100, 2)
 kv.init("e", RowSparse.empty(shape, np.float32))
+kv.init("r", RowSparse.empty(shape, np.float32, sharding="range"))  # server 0: [0, 50)
 ids = np.arange(100)
 theirs = ids[row_server(ids, 2) == 1][:2].astype(np.int64)
 mine = ids[row_server(ids, 2) == 0][:2].astype(np.int64)
@@ -28,8 +29,13 @@ cases = [
     (theirs, "row ids of another server"),
     (mine.astype(np.int32), "row ids must be 1-D int64"),
 ]
-for bad, reason in cases:
-    request = kv._send(0, "sparse_pull", {"keys": [["e", 0]]}, [bad])
+cases = [("e", bad, reason) for bad, reason in cases]
+cases += [
+    ("r", np.array([3, 50], np.int64), "row ids of another server (this one holds [0, 50))"),
+    ("r", np.array([49, 99], np.int64), "row ids of another server"),
+]
+for key, bad, reason in cases:
+    request = kv._send(0, "sparse_pull", {"keys": [[key, 0]]}, [bad])
     try:
         kv._wait("raw sparse_pull", [request])
     except KVStoreError as exc:
@@ -39,6 +45,9 @@ for bad, reason in cases:
 g = RowSparse([3, 50], np.ones((2, 2), np.float32), shape)
 kv.pushpull("e", g)
 assert g.data.tolist() == [[1, 1], [1, 1]], g.data
+g = RowSparse([3, 50, 99], np.ones((3, 2), np.float32), shape)  # on both servers
+kv.pushpull("r", g)
+assert g.data.tolist() == [[1, 1]] * 3, g.data
 
 # save_optimizer_states holds the row-sparse key's Adam state: rows and states saved, two
 # more steps; then both loaded back and the same two steps again give the same rows
