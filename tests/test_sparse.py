@@ -575,3 +575,71 @@ def test_put_rows_is_fancy_assignment(rows, dim, dtype, data):
         want[slots] = value
         sparse.put_rows(got, slots.astype(np.int32), value)
         assert np.array_equal(want, got, equal_nan=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.data(),
+    servers=st.integers(1, 4),
+    sharding=st.sampled_from(["hash", "range"]),
+    outs=st.integers(1, 2),
+)
+def test_plans_send_each_server_its_rows_and_write_the_replies_back(data, servers, sharding, outs):
+    """A worker's row plans against a reference: a push (and pushpull) sends each server
+    exactly its ids with their rows; a pull asks each server its unique ids; replies are
+    written back to every output in id order, whatever the sharding."""
+    from kvstore.store import Meta, RowsItem
+
+    rows, dim = 40, 3
+    metas = {"e": Meta((rows, dim), np.dtype(np.float32), sharding)}
+    bounds = sparse.bounds_of(sharding, rows, servers)
+
+    def owner(ids):
+        if bounds is None:
+            return row_server(ids, servers) if servers > 1 else np.zeros(ids.size, np.int64)
+        return np.searchsorted(np.array(bounds), ids, side="right") - 1
+
+    table = np.arange(rows * dim, dtype=np.float32).reshape(rows, dim) * -1  # the servers'
+    ids = np.unique(np.array(data.draw(st.lists(st.integers(0, rows - 1), max_size=25)), np.int64))
+    vals = np.arange(ids.size * dim, dtype=np.float32).reshape(-1, dim) + 1
+    pushed = RowsItem("e", RowSparse(ids, vals, (rows, dim)))
+    targets = [np.ones((rows, dim), np.float32), RowSparse.empty((rows, dim))][:outs]
+    asked = [
+        np.array(data.draw(st.lists(st.integers(0, rows - 1), max_size=25)), np.int64)
+        for _ in targets
+    ]
+    pull = RowsItem("e", outs=targets, ids=asked)
+    for kind in ("pushpull", "pull"):
+        if kind == "pushpull":  # the rows back are those pushed, after the round: 2x here
+            pull.ids = [ids] * outs
+            plan, collector = sparse.plan_push([pushed], servers, True, metas, [pull])
+        else:
+            pull.ids = asked
+            plan, collector = sparse.plan_pull([pull], servers, metas)
+        got = set()
+        for request, leg in enumerate(plan):
+            sent = leg.arrays[0]
+            assert (owner(sent) == leg.server).all() and (np.diff(sent) > 0).all()
+            got |= set(sent.tolist())
+            if kind == "pushpull":
+                assert np.array_equal(leg.arrays[1], vals[np.searchsorted(ids, sent)])
+            collector.expect(request, leg.keys)
+            back = vals[np.searchsorted(ids, sent)] * 2 if kind == "pushpull" else table[sent]
+            collector.receive(request, leg.keys, [back])
+        want_ids = ids if kind == "pushpull" else np.unique(np.concatenate(asked))
+        assert got == set(want_ids.tolist())
+        collector.finish()
+        for out, wanted in zip(targets, pull.ids, strict=True):
+            unique = np.unique(wanted)
+            expect = np.zeros((rows, dim), np.float32)
+            if kind == "pushpull":
+                expect[ids] = vals * 2
+            else:
+                expect[unique] = table[unique]
+            if isinstance(out, RowSparse):
+                assert np.array_equal(out.indices, unique)
+                assert np.array_equal(out.data, expect[unique])
+            else:
+                assert np.array_equal(
+                    out, np.where(np.isin(np.arange(rows), unique)[:, None], expect, 0)
+                )
