@@ -28,6 +28,7 @@ with every row, ones, as the anchor does).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -61,7 +62,8 @@ def worker_main(args) -> int:
     for dim in [int(d) for d in args.dims.split(",") if d]:
         shape = (args.rows, dim)
         key = f"emb{dim}"
-        kv.init(key, RowSparse.empty(shape, np.float32, init=uniform(-0.1, 0.1, seed=1)))
+        init = uniform(-0.1, 0.1, seed=1)
+        kv.init(key, RowSparse.empty(shape, np.float32, init=init, sharding=args.sharding))
         for name in args.reqs.split(","):
             req = REQS.get(name) or int(name)
             grads = [
@@ -77,38 +79,59 @@ def worker_main(args) -> int:
                 kv.barrier()
                 times = timed(fn, args.reps, 1e9, warmup=1)
                 rates = [rows_per_call / t for t in times]
-                results.append({"op": what, "dim": dim, "req": name, "rows_per_s": rates})
+                results.append(
+                    {
+                        "op": what,
+                        "dim": dim,
+                        "req": name,
+                        "sharding": args.sharding,
+                        "rows_per_s": rates,
+                    }
+                )
         kv.barrier()
     if args.run_anchor:  # MXNet's anchor case: 100000 x 64, 4096 random draws (unique) per step
         rows, dim, req = (int(x) for x in args.anchor.lower().split("x"))
         shape = (rows, dim)
         # every row stored from the start, as MXNet's anchor inits it (ones: MXNet refuses an
-        # empty row_sparse init); an empty table would create rows during the first repeats
-        kv.init("anchor", RowSparse(np.arange(rows), np.ones(shape, np.float32), shape))
+        # empty row_sparse init); an empty table would create rows during the first repeats;
+        # the rows spread by hash (our default) and by range (MXNet's layout)
         vals = np.ones((req, dim), np.float32)
         out = RowSparse.empty(shape, np.float32)
+        for sharding in ("hash", "range"):
+            key = f"anchor-{sharding}"
+            kv.init(
+                key, RowSparse(np.arange(rows), np.ones(shape, np.float32), shape, None, sharding)
+            )
 
-        def anchor_step():  # MXNet's: a push, then a row_sparse_pull of the same rows
-            ids = unique_ids(rng.integers(0, rows, req))
-            kv.push("anchor", RowSparse(ids, vals[: ids.size], shape))
-            kv.row_sparse_pull("anchor", out=out, row_ids=ids)
-            return ids.size
+            def anchor_step(key=key):  # MXNet's: a push, then a row_sparse_pull of the same rows
+                ids = unique_ids(rng.integers(0, rows, req))
+                kv.push(key, RowSparse(ids, vals[: ids.size], shape))
+                kv.row_sparse_pull(key, out=out, row_ids=ids)
+                return ids.size
 
-        def anchor_pushpull():  # the same work in one call (one message per server)
-            ids = unique_ids(rng.integers(0, rows, req))
-            kv.pushpull("anchor", RowSparse(ids, vals[: ids.size], shape), out=out)
-            return ids.size
+            def anchor_pushpull(key=key):  # the same work in one call (one message per server)
+                ids = unique_ids(rng.integers(0, rows, req))
+                kv.pushpull(key, RowSparse(ids, vals[: ids.size], shape), out=out)
+                return ids.size
 
-        for op, fn in (("anchor", anchor_step), ("anchor pushpull", anchor_pushpull)):
-            for _ in range(2):
-                fn()
-            runs = []
-            for _ in range(args.anchor_repeats):
-                kv.barrier()
-                t0 = time.perf_counter()
-                n = sum(fn() for _ in range(args.anchor_steps))
-                runs.append(n / (time.perf_counter() - t0))
-            results.append({"op": op, "dim": dim, "req": str(req), "rows_per_s": runs})
+            for op, fn in (("anchor", anchor_step), ("anchor pushpull", anchor_pushpull)):
+                for _ in range(2):
+                    fn()
+                runs = []
+                for _ in range(args.anchor_repeats):
+                    kv.barrier()
+                    t0 = time.perf_counter()
+                    n = sum(fn() for _ in range(args.anchor_steps))
+                    runs.append(n / (time.perf_counter() - t0))
+                results.append(
+                    {
+                        "op": op,
+                        "dim": dim,
+                        "req": str(req),
+                        "sharding": sharding,
+                        "rows_per_s": runs,
+                    }
+                )
     kv.close()
     print("RESULTS " + json.dumps(results), flush=True)
     return 0
@@ -258,6 +281,7 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
     )
     cmd = [sys.executable, str(Path(__file__).resolve()), "--as-worker", "--rows", str(args.rows)]
     cmd += ["--dims", args.dims if not anchor else "", "--reqs", args.reqs]
+    cmd += ["--sharding", args.sharding]
     cmd += ["--reps", str(args.reps), "--anchor-steps", str(args.anchor_steps)]
     cmd += ["--anchor-repeats", str(args.anchor_repeats)]
     if anchor:
@@ -305,7 +329,7 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
         ]
         rows.append(
             {
-                **{k: recs[0][k] for k in ("op", "dim", "req")},
+                **{k: recs[0][k] for k in ("op", "dim", "req", "sharding")},
                 "config": "kvstore",
                 "median": statistics.median(runs),
                 "min": min(runs),
@@ -427,6 +451,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="16,64,256")
     ap.add_argument("--reqs", default="1K,4K,64K", help="rows per request")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
+    ap.add_argument("--sharding", default="hash", choices=["hash", "range"], help="the tables'")
     ap.add_argument("--anchor", default="100000x64x4096", help="ROWSxDIMxREQ")
     ap.add_argument("--run-anchor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--anchor-steps", type=int, default=50)
@@ -459,7 +484,8 @@ def main(argv=None) -> int:
 
 def table(results: list[dict], args) -> str:
     lines = [
-        f"row-sparse, W={args.workers} S={args.servers} dist_sync (rows/s per worker; "
+        f"row-sparse, W={args.workers} S={args.servers} dist_sync, rows by {args.sharding} "
+        "(rows/s per worker; "
         "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq: one round "
         "trip of those bytes)",
         "",
@@ -484,14 +510,18 @@ def table(results: list[dict], args) -> str:
             f"{nbytes / 1e6:>7.1f}MB {zbytes / 1e6:>7.1f}MB {nbytes / zbytes:>7.0%}"
         )
     mx = [r for r in results if r.get("config") == "mxnet"]
-    for op in ("anchor", "anchor pushpull"):
-        anchor = [r for r in results if r.get("op") == op and r.get("config") == "kvstore"]
+    for op, sharding in itertools.product(("anchor", "anchor pushpull"), ("hash", "range")):
+        anchor = [
+            r
+            for r in results
+            if r.get("op") == op and r.get("config") == "kvstore" and r["sharding"] == sharding
+        ]
         if mx and anchor:
             call = "push + row_sparse_pull" if op == "anchor" else "pushpull"
             lines += [
-                f"anchor {args.anchor} ({call}): kvstore {anchor[0]['median']:,.0f} "
-                f"rows/s, MXNet (push + row_sparse_pull) {mx[0]['median']:,.0f} rows/s: "
-                f"{anchor[0]['median'] / mx[0]['median']:.2f}x"
+                f"anchor {args.anchor} ({call}, rows by {sharding}): kvstore "
+                f"{anchor[0]['median']:,.0f} rows/s, MXNet (push + row_sparse_pull) "
+                f"{mx[0]['median']:,.0f} rows/s: {anchor[0]['median'] / mx[0]['median']:.2f}x"
             ]
     for r in results:
         if r.get("config") == "job memory":
