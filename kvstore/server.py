@@ -157,6 +157,7 @@ class Server:
         self.members_epoch = 0  # an elastic job's membership epoch, as this server knows it
         self._unsent: set = set()  # keys whose forward is noted but not yet sent
         self.rows = SparseKeys()  # row-sparse keys (kvstore.sparse)
+        self._owned: dict = {}  # row-sparse key -> (low, high) of its range here; None: hashed
         self.handlers.update(
             {
                 "sparse_init": self._on_sparse_init,
@@ -1135,9 +1136,11 @@ class Server:
         """Check a request's row ids (and rows) for ``key``: sorted, unique, in range, and
         this server's (sharding.row_server, or its range: sharding.row_bounds)."""
         table = self.rows.tables[key]
-        self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows, table.init)
+        self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows, self._owned[key])
 
-    def _check_rows(self, key: tuple, nrows: int, dim: int, dtype, ids, rows, init) -> None:
+    def _check_rows(self, key: tuple, nrows: int, dim: int, dtype, ids, rows, owned) -> None:
+        """``owned``: the ids this server holds, ``(low, high)``, for a range-sharded key;
+        None for a hashed one."""
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
         if ids.size:
@@ -1146,13 +1149,11 @@ class Server:
                     f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows})"
                 )
             servers = self.cfg.num_server
-            bounds = bounds_of(init.get("sharding", "hash"), nrows, servers)
-            if bounds is not None:  # sorted: the first and the last say it
-                low, high = bounds[key[1]], bounds[key[1] + 1]
-                if ids[0] < low or ids[-1] >= high:
+            if owned is not None:  # sorted: the first and the last say it
+                if ids[0] < owned[0] or ids[-1] >= owned[1]:
                     raise ValueError(
                         f"key {_show(key)}: row ids of another server (this one holds "
-                        f"[{low}, {high}))"
+                        f"[{owned[0]}, {owned[1]}))"
                     )
             elif servers > 1 and (row_server(ids, servers) != key[1]).any():
                 raise ValueError(f"key {_show(key)}: row ids of another server")
@@ -1194,10 +1195,13 @@ class Server:
             if dtype.kind not in "fc":
                 raise ValueError(f"key {_show(key)}: a row-sparse key holds floats, not {dtype}")
             init = check_init(init)
+            bounds = bounds_of(init.get("sharding", "hash"), rows, self.cfg.num_server)
+            owned = None if bounds is None else (bounds[key[1]], bounds[key[1] + 1])
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-            self._check_rows(key, rows, dim, dtype, ids, data, init)
-            made.append((key, rows, dim, dtype, init, ids, data))
-        for key, rows, dim, dtype, init, ids, data in made:
+            self._check_rows(key, rows, dim, dtype, ids, data, owned)
+            made.append((key, rows, dim, dtype, init, ids, data, owned))
+        for key, rows, dim, dtype, init, ids, data, owned in made:
+            self._owned[key] = owned
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
             self.rounds.add_key(key)
         self._send(identity, Message("ack", msg.id, self.name))

@@ -33,6 +33,8 @@ from collections import defaultdict
 import numpy as np
 
 from .arrays import to_host
+from .plan import SHM_FROM, Outgoing, ReplyError
+from .sharding import row_bounds, row_server
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CHUNK = 1 << 20  # elements per initializer chunk: bounded temporaries for big creations
@@ -113,6 +115,14 @@ class RowSparse:
         return f"RowSparse({self.nnz} rows of {self.shape}, {self.dtype})"
 
     # ---- constructors
+    @classmethod
+    def _trusted(cls, indices: np.ndarray, data: np.ndarray, shape: tuple) -> RowSparse:
+        """Checked parts (int64 ids in range, a 2-D block of one row each) as a value,
+        without checking them again: the library's own results of checked values."""
+        value = cls.__new__(cls)
+        value.indices, value.data, value.shape, value.init = indices, data, shape, None
+        return value
+
     @classmethod
     def empty(
         cls,
@@ -239,7 +249,7 @@ def sum_rows(values: list, shape, dtype) -> RowSparse:
         return RowSparse(np.empty(0, np.int64), np.empty((0, shape[1]), dtype), shape)
     if len(values) == 1:
         v = values[0]
-        return RowSparse(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
+        return RowSparse._trusted(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
     if all(_increasing(v.indices) for v in values):
         # each push canonical (the servers' case): add each into the union's rows, in order;
         # no sort of the rows themselves (0 + a + b is a + b: the same sum as below)
@@ -828,8 +838,6 @@ def split_by_server(ids: np.ndarray, num_server: int, bounds=None) -> list:
     """Where each server's rows are in ``ids``: an index array per server, in the order of
     ``ids``; with ``bounds`` (range sharding, :func:`kvstore.sharding.row_bounds`) and
     increasing ids, a ``slice`` per server (its ids are a run). :func:`size` counts either."""
-    from .sharding import row_server
-
     if num_server == 1:
         return [slice(0, ids.size)]
     if bounds is not None:
@@ -856,8 +864,6 @@ def size(pos) -> int:
 
 def bounds_of(sharding: str, rows: int, num_server: int):
     """The range bounds of a key of ``rows`` rows sharded by ``sharding``; None when hashed."""
-    from .sharding import row_bounds
-
     return row_bounds(rows, num_server) if sharding == "range" and num_server > 1 else None
 
 
@@ -916,8 +922,6 @@ def write_rows(out, ids: np.ndarray, rows_of) -> None:
 
 def plan_init(items, num_server: int) -> list:
     """``sparse_init`` per server: every server holds a part (its rows) of every key."""
-    from .plan import Outgoing
-
     legs: list = [([], [], []) for _ in range(num_server)]
     for item in items:
         v = item.value
@@ -942,8 +946,6 @@ def plan_push(items, num_server: int, sync: bool, metas: dict, pulls=None, shm_s
     ``shm_servers`` (on this host) may go through a shared segment (``Outgoing.shared``).
     ``metas``: each key's Meta (its shape and sharding). The rows of a range-sharded key
     are views of the pushed value's (:func:`shares_rows`), the others copies."""
-    from .plan import SHM_FROM, Outgoing
-
     splits = [
         split_by_server(item.value.indices, num_server, _bounds(metas[item.key], num_server))
         for item in items
@@ -988,8 +990,6 @@ def shares_rows(items, metas: dict, num_server: int) -> bool:
 def plan_pull(items, num_server: int, metas: dict) -> tuple[list, RowCollector]:
     """``sparse_pull`` to the servers holding rows wanted (the ids of every output of a key
     asked once), and the :class:`RowCollector` that writes the replies."""
-    from .plan import Outgoing
-
     legs: list = [([], []) for _ in range(num_server)]
     wanted = []
     for item in items:
@@ -1036,8 +1036,6 @@ class RowCollector:
 
     def receive(self, request: int, keys, arrays, codes=None) -> None:
         """Write a reply's rows (``codes``: rows never come as codes; refused)."""
-        from .plan import ReplyError
-
         asked = self._expected.pop(request, None)
         if asked is None or self.cancelled:
             return

@@ -21,7 +21,6 @@ so a late reply never writes into the caller's arrays.
 from __future__ import annotations
 
 import atexit
-import copy
 import dataclasses
 import itertools
 import logging
@@ -857,9 +856,13 @@ class DistStore(KVStore):
         ):  # answered with its rows, for the row_sparse_pull expected next
             back = [RowsItem(item.key, outs=[], ids=[]) for item in items]
             # the ids the reply's rows are of, copied: the caller may reuse its array
-            items = [dataclasses.replace(item, value=copy.copy(item.value)) for item in items]
-            for item in items:
-                item.value.indices = item.value.indices.copy()
+            items = [
+                RowsItem(
+                    i.key,
+                    sparse.RowSparse._trusted(i.value.indices.copy(), i.value.data, i.value.shape),
+                )
+                for i in items
+            ]
             outgoing, collector = sparse.plan_push(
                 items, n, self._sync, self._sparse, back, shm_servers
             )

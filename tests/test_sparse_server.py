@@ -27,7 +27,7 @@ def make_server(num_workers: int, num_server: int = 1, rank: int = 0):
     s.stored, s.sending, s._shm_of, s._roots = {}, {}, {}, {}
     s.pull_codes = PullCodes()
     s.rounds = Rounds(num_workers, 0, describe=_show)
-    s.rows = SparseKeys()
+    s.rows, s._owned = SparseKeys(), {}
     s.updater = s.optimizer_spec = None
     s.chains, s.backup, s._unsent = None, Backup(), set()  # no replicas
     s._lost, s._last_failure, s._peer_lost = set(), "", ""
