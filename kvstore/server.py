@@ -65,9 +65,6 @@ class Request:
 
     identity: bytes
     msg: Message
-    # a row pushpull's: {key index: the view of its worker's pull region} its round writes
-    # its rows into and its reply names, if that is still the key's region (_pull_outs)
-    outs: dict | None = None
 
 
 class Server:
@@ -1221,38 +1218,13 @@ class Server:
                 check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
         grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
         rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
-        req = Request(identity, msg)
-        # a pushpull's round writes the rows straight into the worker's pull region
-        req.outs = self._pull_outs(req, keys) if self._shm_of else {}  # {i: (region, view)}
-        actions = self.rounds.push(req, rank, grads, sync, time.monotonic())
+        actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
         # the rows are filed only where the rounds took the push (not after join(), not into
-        # a dead round, not with another staleness); Apply actions run after, in _execute.
+        # a dead round, not with another staleness); Apply actions run after, in _execute
         for i, key in enumerate(keys):
             if self._took(key, rank, rounds[i], sync, actions):
-                ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-                out = req.outs.get(i)
-                self.rows.add(key, rounds[i], rank, ids, rows, sync, out and out[1])
+                self.rows.add(key, rounds[i], rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
         self._execute(actions)
-
-    def _pull_outs(self, req: Request, keys: list, known: dict | None = None) -> dict:
-        """{key index: the view of the worker's pull region its reply's rows of that key
-        would take} for a row push answered with its rows (none where they do not fit).
-        A view in ``known`` (those its round wrote into) is the one given while its
-        segment is still the key's (a worker replaces a segment only once no reply may
-        come through the old one; if it did, the rows go to the new one, copied)."""
-        if req.msg.kind != "sparse_push" or not req.msg.body.get("pull"):
-            return {}
-        outs = {}
-        for i, region in self._pull_regions(req, keys).items():
-            table, ids = self.rows.tables[keys[i]], req.msg.arrays[2 * i]
-            need = ids.size * table.dim * table.dtype.itemsize
-            old = known.get(i) if known else None
-            if old is not None and old[0] is region:
-                outs[i] = old[1]
-            elif need <= region.nbytes:
-                view = region[:need].view(table.dtype).reshape(ids.size, table.dim)
-                outs[i] = (region, view) if known is None else view
-        return outs
 
     def _shared_rows(self, msg: Message, keys: list, rank: int) -> None:
         """Put in ``msg.arrays`` the rows a same-host worker left in shared segments
@@ -1371,22 +1343,24 @@ class Server:
         body: dict = {"keys": msg.body["keys"]}
         if msg.kind != "sparse_rows":
             # a same-host worker reads them from the pull region of the key's segment (it has
-            # no other reply of the key in flight), where they fit: gathered straight there
+            # no other reply of the key in flight), where they fit: gathered straight there;
+            # a push's rows after a round without an optimizer go as a delta (the rows that
+            # are not 0 + the worker's own: those other pushes touched too), by position
+            regions = self._pull_regions(req, keys) if self._shm_of else {}
             pushpull = msg.kind == "sparse_push"  # the rows pushed, after the round
-            regions = {}
-            if self._shm_of and pushpull:  # the very views its round wrote into, if current
-                regions = self._pull_outs(req, keys, req.outs or {})
-            elif self._shm_of:
-                regions = self._pull_regions(req, keys)
             arrays = []
             for i, key in enumerate(keys):
-                table, out = self.rows.tables[key], regions.get(i)
+                table, region = self.rows.tables[key], regions.get(i)
                 ids = msg.arrays[2 * i] if pushpull else msg.arrays[i]
-                need = ids.size * table.dim * table.dtype.itemsize
-                if out is not None and not pushpull:  # (_pull_outs: fitted already)
-                    fits = need <= out.nbytes
-                    out = out[:need].view(table.dtype) if fits else None
-                    out = None if out is None else out.reshape(ids.size, table.dim)
+                delta = table.pushed_delta(ids) if pushpull else None
+                if delta is not None:
+                    at, rows = delta
+                    body.setdefault("delta", []).append([i, at.astype("<i4").tobytes()])
+                    arrays.append(rows)
+                    continue
+                out, need = None, ids.size * table.dim * table.dtype.itemsize
+                if region is not None and need <= region.nbytes:
+                    out = region[:need].view(table.dtype).reshape(ids.size, table.dim)
                 rows = table.pushed_rows(ids, out) if pushpull else table.read(ids, out)
                 if out is not None:
                     body.setdefault("shm", []).append([i, ids.size])
@@ -1398,8 +1372,7 @@ class Server:
             arrays = list(table.changed_since(since))  # the worker checks since <= step
             body["step"] = table.step
         kind = "ack" if msg.kind == "sparse_rows" else "data"  # ack: ids and rows, one key
-        # the rows are gathered copies, or a round's sums (assign_sums), never written
-        # again: no trackers
+        # the rows are gathered copies, never written again: no trackers
         self._send(req.identity, Message(kind, msg.id, self.name, body, arrays), track=False)
 
 

@@ -423,6 +423,7 @@ class RowTable:
         # pushpull gather their rows without a second lookup (the ids object is kept, so its
         # id cannot be another array's)
         self.recent: dict = {}
+        self.scratch = np.empty(0, self.dtype)  # see _scratch
         self.direct = None
         self._direct_map = direct_map
         self._make_direct()
@@ -434,7 +435,7 @@ class RowTable:
     def nbytes(self) -> int:
         """Memory held: the block, the states, the index (capacity, not only rows used)."""
         arrays = (self.ids, self.slots, self.block, self.changed, *self.states)
-        arrays += (self.cand_ids, self.cand_counts, self.cand_last)
+        arrays += (self.cand_ids, self.cand_counts, self.cand_last, self.scratch)
         arrays += (self.direct,) if self.direct is not None else ()
         return sum(a.nbytes for a in arrays)
 
@@ -522,7 +523,7 @@ class RowTable:
     def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The rows ``ids`` (any order, repeats allowed) as a new ``(len(ids), dim)`` array,
         or written into ``out`` (returned)."""
-        for pushed, slots, _ in self.recent.values():  # a worker's step: push, pull the same ids
+        for pushed, slots, *_ in self.recent.values():  # a worker's step: push, pull the same ids
             if pushed.size != ids.size or (ids.size and pushed[-1] != ids[-1]):
                 continue  # (one compare rules out most of many workers' pushes)
             if np.array_equal(pushed, ids):
@@ -543,19 +544,21 @@ class RowTable:
         return np.take(self.block, slots, axis=0, out=out, mode="clip")
 
     def pushed_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`read` of the ids of a push of the round just applied, without a lookup:
-        the round's rows of that push as :meth:`assign_sums` kept them (no gather), or
-        gathered by their slots."""
+        """:meth:`read` of the ids of a push of the round just applied, without a lookup."""
         hit = self.recent.get(id(ids))
-        if hit is None or hit[0] is not ids:
-            return self.read(ids, out)
-        rows = hit[2]
-        if rows is None:
+        if hit is not None and hit[0] is ids:
             return self._gather(hit[1], out)
-        if out is None or out is rows:  # (out: the view the round wrote into)
-            return rows  # a new array of this round, never written again
-        np.copyto(out, rows)
-        return out
+        return self.read(ids, out)
+
+    def pushed_delta(self, ids: np.ndarray):
+        """A push of the round just applied by :meth:`assign_sums`, as its reply's delta:
+        ``(at, rows)``. Its rows after the round are ``0 +`` the rows it pushed, but at
+        positions ``at`` (increasing, into its ids): the rows another push of the round
+        touched too, given as ``rows``. None for any other ids (:meth:`pushed_rows`)."""
+        hit = self.recent.get(id(ids))
+        if hit is None or hit[0] is not ids or hit[2] is None:
+            return None
+        return hit[2], self._gather(hit[1][hit[2]], None)
 
     def changed_since(self, step: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of the rows changed after ``step`` (created rows count), ids sorted;
@@ -578,19 +581,15 @@ class RowTable:
         self.block[slots] = rows
         self.changed[slots] = self.step
 
-    def assign_sums(self, pushes: list, outs: list | None = None) -> None:
+    def assign_sums(self, pushes: list) -> None:
         """A round without an optimizer from its pushes ``[(ids, rows)]`` (each sorted and
-        unique, in rank order): the touched rows become their sum. Each push's rows after
-        the round are kept for :meth:`pushed_rows` (its reply), written where ``outs[i]``
-        says when that is an array of the push's shape and dtype (a worker's pull region):
-        no gather from the table afterwards."""
+        unique, in rank order): the touched rows become their sum, the bits of ``0 + a + b``
+        in rank order (of one push too: -0.0 becomes 0.0 whoever pushed with it).
+        :meth:`pushed_delta` then says, for each push, which of its rows are not ``0 +`` its
+        own: those another push touched too."""
         self._next_step()
-        outs = outs or [None] * len(pushes)
-        kept, dups = [], []
-        zero = self.dtype.type(0)
-        for (ids, rows), out in zip(pushes, outs, strict=True):
-            if out is not None and (out.shape != rows.shape or out.dtype != self.dtype):
-                out = None
+        zero, kept, dups = self.dtype.type(0), [], []
+        for ids, rows in pushes:
             found, where = self.find(ids)
             again = None
             if kept and self.count:  # (before the round's first push no row is at this step)
@@ -598,33 +597,33 @@ class RowTable:
                 again = again if again.any() else None
             if not found.all():
                 where = self._create(ids, found, where)
-            if len(pushes) == 1:  # the sum of one push is that push, bit for bit
-                sums = rows if out is None else out
-                if out is not None:
-                    np.copyto(out, rows)
-                put_rows(self.block, where, sums)
-                self.changed[where] = self.step
-                kept.append((ids, where, sums if out is not None else None))
-                break
-            # the bits of 0 + a + b, in rank order, with one scatter per push: a row's first
-            # push this round writes 0 + its rows, a later push adds to them (a row changed
-            # at this step was written by an earlier push of the round)
-            self.changed[where] = self.step
+            # one scatter per push: a row's first push this round writes 0 + its rows, a
+            # later push adds to them (a row changed at this step was written by an earlier
+            # push of the round)
             earlier = None if again is None else self.block[where[again]]
-            sums = np.add(zero, rows, out=out)
-            put_rows(self.block, where, sums)
+            put_rows(self.block, where, np.add(zero, rows, out=self._scratch(rows)))
             if earlier is not None:
-                sums[again] = earlier + rows[again]
-                self.block[where[again]] = sums[again]
+                self.block[where[again]] = earlier + rows[again]
                 dups.append(ids[again])
-            kept.append((ids, where, sums))
-        if dups:  # rows pushed more than once: every push's copy gets the final sum
-            twice = np.unique(np.concatenate(dups)) if len(dups) > 1 else dups[0]
-            for ids, where, sums in kept:
-                pos = np.searchsorted(ids, twice).clip(max=max(ids.size - 1, 0))
-                pos = pos[ids[pos] == twice] if ids.size else pos[:0]
-                sums[pos] = self.block[where[pos]]
-        self.recent = {id(ids): (ids, where, sums) for ids, where, sums in kept}
+            self.changed[where] = self.step
+            kept.append((ids, where))
+        twice = np.unique(np.concatenate(dups)) if len(dups) > 1 else (dups or [None])[0]
+        recent = {}
+        for ids, where in kept:  # the positions of each push's rows another push touched
+            if twice is None or not ids.size:
+                at = np.empty(0, np.intp)
+            else:
+                at = np.searchsorted(ids, twice).clip(max=ids.size - 1)
+                at = at[ids[at] == twice]
+            recent[id(ids)] = (ids, where, at)
+        self.recent = recent
+
+    def _scratch(self, rows: np.ndarray) -> np.ndarray:
+        """A reused array of ``rows``' shape and dtype (a round's ``0 + rows``, scattered at
+        once): its pages stay mapped and warm, no new 1 MiB each push."""
+        if self.scratch.size < rows.size or self.scratch.dtype != rows.dtype:
+            self.scratch = np.empty(rows.size, rows.dtype)
+        return self.scratch[: rows.size].reshape(rows.shape)
 
     def _next_step(self) -> None:
         self.recent = {}
@@ -790,11 +789,9 @@ class SparseKeys:
             found = self.placeholders[dtype] = np.empty(0, dtype)
         return found
 
-    def add(self, where, round_: int, rank: int, ids, rows, sync: bool, out=None) -> None:
-        """File a push for its round (``out``: where its rows after the round may be
-        written, the pushing worker's pull region; see :meth:`RowTable.assign_sums`)."""
+    def add(self, where, round_: int, rank: int, ids, rows, sync: bool) -> None:
         if sync:
-            self.pending[where].setdefault(round_, []).append((rank, ids, rows, out))
+            self.pending[where].setdefault(round_, []).append((rank, ids, rows))
         else:
             self.arrivals[where].append((ids, rows))
 
@@ -812,14 +809,14 @@ class SparseKeys:
         self.rounds_done[where] += 1
         pushes.sort(key=lambda p: p[0])
         if optimizer is None and table.admit_after == 1:
-            table.assign_sums([(i, r) for _, i, r, _ in pushes], [o for *_, o in pushes])
+            table.assign_sums([(i, r) for _, i, r in pushes])
             return
         shape = (table.rows, table.dim)
-        total = sum_rows([RowSparse(i, r, shape) for _, i, r, _ in pushes], shape, table.dtype)
+        total = sum_rows([RowSparse(i, r, shape) for _, i, r in pushes], shape, table.dtype)
         slots = table.apply(total.indices, total.data, optimizer, t, lr)
         if slots is not None:
             table.recent = {
-                id(i): (i, slots[np.searchsorted(total.indices, i)], None) for _, i, *_ in pushes
+                id(i): (i, slots[np.searchsorted(total.indices, i)], None) for _, i, _ in pushes
             }
 
 
@@ -1030,13 +1027,33 @@ class RowCollector:
             for server, pos in enumerate(splits):
                 self._positions[(item.key, server)] = pos
         self._expected: dict = {}
+        self._own: set = set()  # requests whose pushed rows are in place (pushed)
 
     def expect(self, request: int, keys: tuple) -> None:
         self._expected[request] = keys
 
-    def receive(self, request: int, keys, arrays, codes=None) -> None:
-        """Write a reply's rows (``codes``: rows never come as codes; refused)."""
+    def pushed(self, request: int, keys: tuple, rows: list) -> None:
+        """The rows a push of this call sends in ``request`` (array ``2i + 1`` for key
+        ``i``), while they are still in cache: each written into its place as the round
+        leaves it when no other push touches it, ``0 +`` itself. A reply then brings only
+        the rows another push touched too (a delta, :meth:`RowTable.pushed_delta`), or
+        every row (with an optimizer) written over these."""
+        for where, sent in zip(keys, rows[1::2], strict=True):
+            block, pos = self._blocks[where[0]], self._positions[where]
+            zero = block.dtype.type(0)
+            if isinstance(pos, slice):
+                np.add(zero, sent, out=block[pos])
+            else:
+                put_rows(block, pos, np.add(zero, sent))
+        self._own.add(request)
+
+    def receive(self, request: int, keys, arrays, codes=None, delta=None) -> None:
+        """Write a reply's rows (``codes``: rows never come as codes; refused), or with
+        ``delta`` (``[[key index, positions]]``, after :meth:`pushed`) the reply's rows at
+        those positions (int32 bytes, increasing) among the rows this worker pushed."""
         asked = self._expected.pop(request, None)
+        own = request in self._own
+        self._own.discard(request)
         if asked is None or self.cancelled:
             return
         if codes is not None:
@@ -1045,29 +1062,52 @@ class RowCollector:
         if len(keys) != len(asked) or len(arrays) != len(asked):
             self.cancel()
             raise ReplyError(f"the reply holds {len(keys)} keys, expected {len(asked)}")
-        for where, got, rows in zip(asked, keys, arrays, strict=True):
+        try:
+            deltas = _deltas(delta, own, len(asked))
+        except ReplyError:
+            self.cancel()
+            raise
+        for i, (where, got, rows) in enumerate(zip(asked, keys, arrays, strict=True)):
             block = self._blocks[where[0]]
-            pos = self._positions[where]
-            if list(got) != list(where) or rows.shape != (size(pos), block.shape[1]):
+            n, dim = size(self._positions[where]), block.shape[1]
+            d = deltas.get(i)
+            if d is not None:  # the rows pushed, the reply's at positions d
+                at = d
+                if rows.shape[0] != at.size or (at.size and (at[0] < 0 or at[-1] >= n)):
+                    self.cancel()
+                    raise ReplyError(
+                        f"key {where[0]!r} server {where[1]}: a delta of {at.size} positions "
+                        f"and {rows.shape[0]} rows for {n} rows pushed"
+                    )
+                n = at.size
+            if list(got) != list(where) or rows.shape != (n, dim):
                 self.cancel()
                 raise ReplyError(
                     f"key {where[0]!r} server {where[1]}: got {got!r:.60} with rows "
-                    f"{rows.shape}, expected {size(pos)} x {block.shape[1]}"
+                    f"{rows.shape}, expected {n} x {dim}"
                 )
             if rows.dtype != block.dtype:
                 self.cancel()
                 raise ReplyError(f"key {where[0]!r}: rows of {rows.dtype}, expected {block.dtype}")
-        for where, rows in zip(asked, arrays, strict=True):
-            pos = self._positions[where]
-            if isinstance(pos, slice):  # a run: one copy
-                self._blocks[where[0]][pos] = rows
+        for i, (where, rows) in enumerate(zip(asked, arrays, strict=True)):
+            block, pos, d = self._blocks[where[0]], self._positions[where], deltas.get(i)
+            if d is not None:  # (pushed: 0 + the rows pushed are in place)
+                if not d.size:
+                    continue
+                if isinstance(pos, slice):
+                    put_rows(block[pos], d, rows)
+                else:
+                    put_rows(block, pos[d], rows)
+            elif isinstance(pos, slice):  # a run: one copy
+                block[pos] = rows
             else:
-                put_rows(self._blocks[where[0]], pos, rows)
+                put_rows(block, pos, rows)
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.cancelled:
             self.cancelled, self.reason = True, reason
         self._expected.clear()
+        self._own.clear()
 
     def finish(self) -> None:
         if self.cancelled:
@@ -1087,6 +1127,32 @@ class RowCollector:
 
             for out, ids in zip(item.outs, item.ids, strict=True):
                 write_rows(out, ids, rows_of)
+
+
+def _deltas(delta, own: bool, count: int) -> dict:
+    """``{key index: positions}`` of a reply's ``delta`` field (None: no delta); a
+    :class:`ReplyError` when it is malformed or answers a request whose rows are not in
+    place (``own``)."""
+    if delta is None:
+        return {}
+    if not isinstance(delta, list) or not own:
+        raise ReplyError("a delta reply to a request whose pushed rows were not kept")
+    found = {}
+    for entry in delta:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or type(entry[0]) is not int
+            or not 0 <= entry[0] < count
+            or not isinstance(entry[1], bytes)
+            or len(entry[1]) % 4
+        ):
+            raise ReplyError(f"bad delta entry {entry!r:.60}")
+        at = np.frombuffer(entry[1], "<i4")
+        if at.size > 1 and not (at[1:] > at[:-1]).all():
+            raise ReplyError("a delta's positions are not increasing")
+        found[entry[0]] = at
+    return found
 
 
 # ---------------------------------------------------------------- optimizer states

@@ -397,6 +397,8 @@ class DistStore(KVStore):
                     self._pull_last[out.keys[i]] = msg_id
                 if collector is not None:
                     collector.expect(msg_id, out.keys)
+                    if out.kind == "sparse_push" and pulling:  # for the reply's delta
+                        collector.pushed(msg_id, out.keys, out.arrays)
                 ids.append(msg_id)
                 kept.extend(out.residuals)
         except BaseException as exc:
@@ -654,9 +656,11 @@ class DistStore(KVStore):
             raise kind(text)
         if request.collector is not None:
             try:
-                request.collector.receive(
-                    msg.id, msg.body["keys"], self._read(msg, request), msg.body.get("codes")
-                )
+                args = (msg.id, msg.body["keys"], self._read(msg, request), msg.body.get("codes"))
+                if "delta" in msg.body:  # (a row push's reply)
+                    request.collector.receive(*args, delta=msg.body["delta"])
+                else:
+                    request.collector.receive(*args)
             except (ReplyError, KeyError, IndexError, TypeError) as exc:
                 self._drop(request.collector, f"bad reply: {exc}")
                 raise KVStoreError(

@@ -347,15 +347,13 @@ def test_admission_candidates_age_out():
     sgd=st.booleans(),
     seed=st.integers(0, 2**31),
     direct=st.booleans(),
-    regions=st.lists(st.booleans(), min_size=3, max_size=3),
 )
-def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct, regions):
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
     without an optimizer, summed first with one) leaves the same bits as adding the pushes
     in rank order and applying the sum; the rows a pushpull answers are its pushed rows,
-    written into the pushing worker's pull region (``out``, for the ranks in ``regions``)
-    by the round itself without an optimizer, and by the reply with one. With a direct id
-    map, and with the sorted index alone (as the twin); bit for bit."""
+    without an optimizer as a delta (0 + its rows, but those another push touched too).
+    With a direct id map, and with the sorted index alone (as the twin); bit for bit."""
     rng = np.random.default_rng(seed)
     keys, twin = sparse.SparseKeys(), RowTable(DIM, np.float32, sparse.uniform(-1, 1, 4))
     keys.add_key("k", ROWS, DIM, np.float32, sparse.uniform(-1, 1, 4))
@@ -363,31 +361,31 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct, regions):
     optimizer = opt.SGD(learning_rate=0.1, momentum=0.9) if sgd else None
     shape = (ROWS, DIM)
     for n, pushes in enumerate(rounds):
-        values, outs = [], {}
+        values = []
         for rank, ids in reversed(list(enumerate(pushes))):  # arrival order: any
             ids = np.unique(np.array(ids, np.int64))
             rows = rng.standard_normal((ids.size, DIM)).astype(np.float32)
-            if regions[rank]:  # stale bytes, as a region read before holds
-                outs[rank] = np.full((ids.size, DIM), np.nan, np.float32)
-            keys.add("k", n, rank, ids, rows, sync=True, out=outs.get(rank))
-            values.append((rank, RowSparse(ids, rows, shape)))
+            keys.add("k", n, rank, ids, rows, sync=True)
+            values.append((rank, ids, RowSparse(ids, rows, shape)))
         keys.apply("k", False, optimizer, n + 1, 0.1)
         # the reference: 0 + each push in rank order, on a dense float32 table
         total = np.zeros(shape, np.float32)
-        for _, v in sorted(values, key=lambda x: x[0]):
+        for _, _, v in sorted(values, key=lambda x: x[0]):
             np.add.at(total, v.indices, v.data)
-        touched = np.unique(np.concatenate([v.indices for _, v in values]))
+        touched = np.unique(np.concatenate([v.indices for *_, v in values]))
         twin.apply(touched, total[touched], optimizer, n + 1, 0.1)
         table = keys.tables["k"]
         bits = np.testing.assert_array_equal
-        for rank, v in values:
+        for _, ids, v in values:  # (ids: the very array pushed, which its reply is of)
             want = twin.read(v.indices).view(np.uint32)
             bits(table.pushed_rows(v.indices).view(np.uint32), want)
-            if rank in outs:  # as the reply writes it there: the same bits, at once or copied
-                if optimizer is None:  # the round wrote them there
-                    bits(outs[rank].view(np.uint32), want)
-                got = table.pushed_rows(v.indices, outs[rank])
-                assert got is outs[rank]
+            delta = table.pushed_delta(ids)
+            assert (delta is None) == (optimizer is not None)
+            if delta is not None:  # as a worker reads its reply
+                at, given = delta
+                got = np.add(np.float32(0), v.data)
+                got[at] = given
+                assert at.size == 0 or (np.diff(at) > 0).all()
                 bits(got.view(np.uint32), want)
             # a pull of the same ids (another array: the step's pull) reads the same rows
             bits(table.read(v.indices.copy()).view(np.uint32), want)
@@ -609,8 +607,13 @@ def test_plans_send_each_server_its_rows_and_write_the_replies_back(data, server
         for _ in targets
     ]
     pull = RowsItem("e", outs=targets, ids=asked)
+    # the rows another worker pushed too: a pushpull's reply has their sums (2x here), as
+    # every row (a full reply) or as a delta (their positions) over the rows pushed
+    doubled = np.isin(ids, data.draw(st.lists(st.integers(0, rows - 1), max_size=25)))
+    after = np.where(doubled[:, None], vals * 2, vals)
+    as_delta = data.draw(st.booleans())
     for kind in ("pushpull", "pull"):
-        if kind == "pushpull":  # the rows back are those pushed, after the round: 2x here
+        if kind == "pushpull":
             pull.ids = [ids] * outs
             plan, collector = sparse.plan_push([pushed], servers, True, metas, [pull])
         else:
@@ -621,11 +624,19 @@ def test_plans_send_each_server_its_rows_and_write_the_replies_back(data, server
             sent = leg.arrays[0]
             assert (owner(sent) == leg.server).all() and (np.diff(sent) > 0).all()
             got |= set(sent.tolist())
-            if kind == "pushpull":
-                assert np.array_equal(leg.arrays[1], vals[np.searchsorted(ids, sent)])
             collector.expect(request, leg.keys)
-            back = vals[np.searchsorted(ids, sent)] * 2 if kind == "pushpull" else table[sent]
-            collector.receive(request, leg.keys, [back])
+            if kind == "pull":
+                collector.receive(request, leg.keys, [table[sent]])
+                continue
+            assert np.array_equal(leg.arrays[1], vals[np.searchsorted(ids, sent)])
+            collector.pushed(request, leg.keys, leg.arrays)
+            mine = np.searchsorted(ids, sent)
+            if as_delta:
+                at = np.flatnonzero(doubled[mine]).astype("<i4")
+                back, delta = after[mine[at]], [[0, at.tobytes()]]
+                collector.receive(request, leg.keys, [back], delta=delta)
+            else:
+                collector.receive(request, leg.keys, [after[mine]])
         want_ids = ids if kind == "pushpull" else np.unique(np.concatenate(asked))
         assert got == set(want_ids.tolist())
         collector.finish()
@@ -633,13 +644,45 @@ def test_plans_send_each_server_its_rows_and_write_the_replies_back(data, server
             unique = np.unique(wanted)
             expect = np.zeros((rows, dim), np.float32)
             if kind == "pushpull":
-                expect[ids] = vals * 2
+                expect[ids] = after
             else:
                 expect[unique] = table[unique]
             if isinstance(out, RowSparse):
                 assert np.array_equal(out.indices, unique)
                 assert np.array_equal(out.data, expect[unique])
             else:
-                assert np.array_equal(
-                    out, np.where(np.isin(np.arange(rows), unique)[:, None], expect, 0)
-                )
+                inside = np.isin(np.arange(rows), unique)[:, None]
+                assert np.array_equal(out, np.where(inside, expect, 0))
+
+
+def test_a_row_reply_delta_is_checked():
+    """A reply's delta that does not fit the rows pushed, or answers a request whose rows
+    were not put in place, is refused (ReplyError), and nothing is written after it."""
+    from kvstore.plan import ReplyError
+    from kvstore.store import Meta, RowsItem
+
+    shape = (10, 2)
+    metas = {"e": Meta(shape, np.dtype(np.float32))}
+    ids = np.array([1, 3, 5])
+    pushed = RowsItem("e", RowSparse(ids, np.ones((3, 2), np.float32), shape))
+    bad = [
+        ([[0, np.array([3], "<i4").tobytes()]], 1, True),  # past the rows pushed
+        ([[0, np.array([2, 1], "<i4").tobytes()]], 2, True),  # not increasing
+        ([[0, np.array([1], "<i4").tobytes()]], 2, True),  # one position, two rows
+        ([[1, np.array([1], "<i4").tobytes()]], 1, True),  # no such key
+        ([[0, b"abc"]], 1, True),  # not int32s
+        ([[0, np.array([1], "<i4").tobytes()]], 1, False),  # the rows were not put in place
+    ]
+    for delta, count, in_place in bad:
+        out = RowSparse.empty(shape)
+        (leg,), collector = sparse.plan_push(
+            [pushed], 1, True, metas, [RowsItem("e", [out], [ids])]
+        )
+        collector.expect(7, leg.keys)
+        if in_place:
+            collector.pushed(7, leg.keys, leg.arrays)
+        with pytest.raises(ReplyError):
+            collector.receive(7, leg.keys, [np.ones((count, 2), np.float32)], delta=delta)
+        assert collector.cancelled
+        collector.finish()
+        assert out.nnz == 0

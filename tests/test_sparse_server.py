@@ -195,33 +195,21 @@ def test_a_dense_round_that_fails_to_apply_answers_every_waiting_request():
         )
 
 
-def test_a_pushpull_round_writes_the_rows_into_the_pull_region_its_reply_names():
-    """A row pushpull of a same-host worker (``shm_pull``): its round writes the rows after
-    the round (the sum where both pushed) into the worker's pull region, and the reply says
-    so; a worker whose segment was replaced before the round (which a worker never does while
-    a reply may come through the old one) still gets the rows in the region of the segment it
-    has now (copied there: the round wrote them into the old one)."""
+def test_a_pushpull_is_answered_with_a_delta_of_its_rows():
+    """A row pushpull's reply after a round without an optimizer: the positions (into its
+    ids) of the rows another worker pushed too, with their sums; its other rows are 0 + its
+    own, which its worker holds. Through a shared segment too: the delta is in the reply."""
     s = make_server(2)
     init(s)
     s._ranks = {b"worker-0": 0, b"worker-1": 1}
-    old = SimpleNamespace(pull=np.zeros(256, np.uint8))
-    s._shm_of = {(0, ("e", 0)): old, (1, ("e", 0)): SimpleNamespace(pull=np.zeros(32, np.uint8))}
+    s._shm_of = {(0, ("e", 0)): SimpleNamespace(pull=np.zeros(256, np.uint8))}
     body = {"keys": [["e", 0]], "sync": True, "pull": True, "shm_pull": [0]}
-    for replaced in (False, True):
-        new = SimpleNamespace(pull=np.zeros(256, np.uint8))
-        old.pull[:] = 0
-        assert request(s, 0, "sparse_push", body, rows([1, 4, 7], 1.5)) == []
-        if replaced:
-            s._shm_of[(0, ("e", 0))] = new
-        # worker 1's rows do not fit its region (32 bytes): its reply brings them (TCP)
-        replies = dict(request(s, 1, "sparse_push", body, rows([0, 4, 5, 7, 9], -0.5)))
-        want0 = np.array([[1.5] * 2, [1.0] * 2, [1.0] * 2], np.float32)
-        want1 = np.array([[-0.5] * 2, [1.0] * 2, [-0.5] * 2, [1.0] * 2, [-0.5] * 2], np.float32)
-        mine = replies[b"worker-0"]
-        assert mine.kind == "data" and mine.body["shm"] == [[0, 3]] and mine.arrays[0].size == 0
-        region = (new if replaced else old).pull[: want0.nbytes].view(np.float32)
-        assert region.reshape(3, 2).tobytes() == want0.tobytes()
-        theirs = replies[b"worker-1"]
-        assert "shm" not in theirs.body and theirs.arrays[0].tobytes() == want1.tobytes()
-        s._shm_of[(0, ("e", 0))] = old
-        assert table(s)[[0, 1, 4, 5, 7, 9], 0].tolist() == [-0.5, 1.5, 1.0, -0.5, 1.0, -0.5]
+    assert request(s, 0, "sparse_push", body, rows([1, 4, 7], 1.5)) == []
+    replies = dict(request(s, 1, "sparse_push", body, rows([0, 4, 5, 7, 9], -0.5)))
+    for worker, at in ((b"worker-0", [1, 2]), (b"worker-1", [1, 3])):
+        reply = replies[worker]
+        assert reply.kind == "data" and "shm" not in reply.body, reply.body
+        ((index, raw),) = reply.body["delta"]
+        assert index == 0 and np.frombuffer(raw, "<i4").tolist() == at
+        assert reply.arrays[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]  # rows 4 and 7: the sums
+    assert table(s)[[0, 1, 4, 5, 7, 9], 0].tolist() == [-0.5, 1.5, 1.0, -0.5, 1.0, -0.5]
