@@ -1217,13 +1217,14 @@ class Server:
             if self.updater is not None:  # refused now, not when its round is applied
                 check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
         grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
-        rounds = [self.rounds.keys[key].pushed[rank] for key in keys]  # this push's rounds
+        before = [self.rounds.keys[key].pushed[rank] for key in keys]
         actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
         # the rows are filed only where the rounds took the push (not after join(), not into
         # a dead round, not with another staleness); Apply actions run after, in _execute
         for i, key in enumerate(keys):
-            if self._took(key, rank, rounds[i], sync, actions):
-                self.rows.add(key, rounds[i], rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
+            round_ = self._took(key, rank, before[i], sync, actions)
+            if round_ is not None:
+                self.rows.add(key, round_, rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
         self._execute(actions)
 
     def _shared_rows(self, msg: Message, keys: list, rank: int) -> None:
@@ -1270,13 +1271,21 @@ class Server:
             msg.arrays[index] = view
             self._shm_of[(rank, key)] = segment
 
-    def _took(self, key: tuple, rank: int, round_: int, sync: bool, actions: list) -> bool:
-        """Whether ``Rounds.push`` took ``rank``'s push of ``key`` (into ``round_``)."""
+    def _took(self, key: tuple, rank: int, before: int, sync: bool, actions: list) -> int | None:
+        """The round ``Rounds.push`` took ``rank``'s push of ``key`` into (``before``: the
+        rank's pushes of it before; an elastic newcomer's first push goes to the round in
+        progress, not its own count), or None when it did not take it (0 for an async push
+        it applies)."""
         if not sync:  # applied on arrival: an Apply for the key
-            return any(isinstance(a, Apply) and a.key == key and a.accumulate for a in actions)
+            took = any(isinstance(a, Apply) and a.key == key and a.accumulate for a in actions)
+            return 0 if took else None
         state = self.rounds.keys[key]
-        dead = state.dead_from is not None and round_ >= state.dead_from
-        return state.pushed[rank] == round_ + 1 and not dead
+        if state.pushed[rank] <= before:
+            return None
+        round_ = state.pushed[rank] - 1
+        if state.dead_from is not None and round_ >= state.dead_from:
+            return None
+        return round_
 
     @metrics.served
     def _on_sparse_pull(self, identity, rank, msg) -> None:

@@ -213,3 +213,24 @@ def test_a_pushpull_is_answered_with_a_delta_of_its_rows():
         assert index == 0 and np.frombuffer(raw, "<i4").tolist() == at
         assert reply.arrays[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]  # rows 4 and 7: the sums
     assert table(s)[[0, 1, 4, 5, 7, 9], 0].tolist() == [-0.5, 1.5, 1.0, -0.5, 1.0, -0.5]
+
+
+def test_an_elastic_newcomers_first_row_push_is_summed():
+    """A newcomer that took a slot pushes a key its survivors already pushed rounds of
+    without it: its first push joins the round in progress, and its rows are in the sum
+    (they were acknowledged and dropped before: review of the rows2 merge)."""
+    s = make_server(2)
+    init(s)
+    s._ranks = {b"worker-0": 0, b"worker-1": 1}
+    s._execute(s.rounds.leave(1, 0.0))  # slot 1's worker leaves ...
+    s.rounds.arrive(1, 1)  # ... and a newcomer takes the slot (Server._on_members does both)
+    for _ in range(3):  # the survivor trains on alone meanwhile
+        assert [m.kind for _, m in push(s, 0, [1], 1.0)] == ["ack"]
+    a = push(s, 1, [5], 7.0)  # the newcomer's first push of the key: waits for worker 0
+    b = push(s, 0, [5], 1.0)  # completes the round with both pushes
+    assert [m.kind for _, m in a + b] == ["ack", "ack"]
+    assert table(s)[5, 0] == 8.0
+    a = push(s, 1, [5], 2.0)  # and the next round as usual
+    b = push(s, 0, [6], 1.0)
+    assert [m.kind for _, m in a + b] == ["ack", "ack"]
+    assert table(s)[[5, 6], 0].tolist() == [2.0, 1.0]
