@@ -13,7 +13,14 @@ instead ``benchmarks/torch_step.py``'s kvstore.torch step (one worker per host),
 and ``Compression.fp16``:
 
     sudo python benchmarks/netsim.py --rates 1gbit --torch-step --batch-size 16
- It creates the namespaces and the link
+
+With ``--sparse ROWSxDIMxREQ`` it measures instead ``benchmarks/sparse.py``'s row-sparse
+anchor step (a push of REQ random rows then a ``row_sparse_pull`` of them, and the same as
+one ``pushpull``; the rows spread by hash and by range), one worker per host:
+
+    sudo python benchmarks/netsim.py --rates 1gbit,10gbit --sparse 100000x64x4096
+
+It creates the namespaces and the link
 itself and removes them whatever happens (needs root, ``ip`` and ``tc``; otherwise it says so
 and exits 0). The kernel here has no ``netem``, so the link has a rate but no added delay.
 """
@@ -146,6 +153,35 @@ def run_torch_step(args, fp16: bool) -> dict:
     }
 
 
+def run_sparse(args) -> list[dict]:
+    """benchmarks/sparse.py's anchor step, one worker per host: rows/s per worker (the mean
+    over the workers of each repeat, then the median of the repeats)."""
+    worker_cmd = [sys.executable, str(ROOT / "benchmarks" / "sparse.py"), "--as-worker"]
+    worker_cmd += ["--dims", "", "--run-anchor", "--anchor", args.sparse]
+    worker_cmd += ["--anchor-steps", str(args.steps), "--anchor-repeats", "3"]
+
+    def read(workers, timeout):
+        outs = [w.communicate(timeout=timeout)[0] for w in workers]
+        for w, out in zip(workers, outs, strict=True):
+            if w.returncode:
+                raise SystemExit(f"a sparse worker failed ({w.returncode}):\n{out}")
+        return [json.loads(o.split("RESULTS ", 1)[1].splitlines()[0]) for o in outs]
+
+    per_worker = collect_from(kvstore_job(worker_cmd), read, args.timeout)
+    rows = []
+    for recs in zip(*per_worker, strict=True):
+        runs = [statistics.fmean(r["rows_per_s"][i] for r in recs) for i in range(3)]
+        rows.append(
+            {
+                "config": f"{recs[0]['op']}, rows by {recs[0]['sharding']}",
+                "size": args.sparse,
+                "median": statistics.median(runs),
+                "runs": runs,
+            }
+        )
+    return rows
+
+
 def kvstore_job(worker_cmd: list[str]) -> tuple[list, list]:
     """A scheduler on the first host, a server and a worker on each: (every process,
     the workers)."""
@@ -259,7 +295,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--torch-step", action="store_true", help="the torch step only (fp32, fp16)")
     p.add_argument("--batch-size", type=int, default=16, help="per worker, for --torch-step")
-    p.add_argument("--steps", type=int, default=10, help="timed steps, for --torch-step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (--torch-step, --sparse)")
+    p.add_argument("--sparse", default="", help="ROWSxDIMxREQ: the row-sparse anchor only")
     args = p.parse_args(argv)
     why = why_not()
     if why:
@@ -267,6 +304,8 @@ def main(argv=None) -> int:
         return 0
     if args.torch_step:
         return torch_step_rows(args)
+    if args.sparse:
+        return sparse_rows(args)
     rows = []
     for rate in args.rates.split(","):
         with Link(rate):
@@ -284,6 +323,19 @@ def main(argv=None) -> int:
     print(f"\n{'link / config':34} {'size':>6} {'median':>14}")
     for r in rows:
         print(f"{r['config']:34} {r['size']:>6} {human(r['median'], r['unit']):>14}")
+    return 0
+
+
+def sparse_rows(args) -> int:
+    rows = []
+    for rate in args.rates.split(","):
+        with Link(rate):
+            for r in run_sparse(args):
+                rows.append(dict(r, link=rate))
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'link':8} {'config':40} {'rows/s per worker (median)':>27}")
+    for r in rows:
+        print(f"{r['link']:8} {r['config']:40} {r['median']:>27,.0f}")
     return 0
 
 
