@@ -847,6 +847,10 @@ class Server:
                 raise ValueError("set_states needs an optimizer and one state blob")
             load_states(updater, self.rows.tables, msg.arrays[0].tobytes())
             self._send(identity, Message("ack", msg.id, self.name))
+        elif name == "stats":  # kv.server_stats(): memory, and the row-sparse keys' rows
+            rows = [[key[0], len(t), t.nbytes] for key, t in self.rows.tables.items()]
+            body = {"rss": metrics.resident_bytes(), "rows": rows}
+            self._send(identity, Message("ack", msg.id, self.name, body))
         else:
             raise ValueError(f"unknown command {name!r}")
 

@@ -750,6 +750,20 @@ class KVStore:
         rows = RowSparse(c.indices, c.data.astype(meta.dtype, copy=False), meta.shape)
         self._load_rows(k, rows, None if step is None else int(step))
 
+    def server_stats(self) -> list[dict]:
+        """Each server's memory and its share of every row-sparse key, to watch a table
+        grow: ``[{"server": s, "rss": bytes resident, "rows": {key: {"rows": rows stored,
+        "bytes": bytes held (the rows, optimizer state, index)}}}]``. A local store is its
+        own server: one entry, this process.
+
+        >>> sum(s["rows"]["emb"]["rows"] for s in kv.server_stats())  # doctest: +SKIP
+        """
+        from .metrics import resident_bytes
+
+        tables = getattr(self, "_tables", {})
+        rows = {k: {"rows": len(t), "bytes": t.nbytes} for k, t in tables.items()}
+        return [{"server": 0, "rss": resident_bytes(), "rows": rows}]
+
     def is_capable(self, capability: str) -> bool:
         """MXNet's capability query: ``'optimizer'`` (updates on the store) is True."""
         if isinstance(capability, str) and capability.lower() == KVStore.OPTIMIZER:

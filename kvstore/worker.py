@@ -1077,6 +1077,24 @@ class DistStore(KVStore):
         with open(fname, "wb") as f:
             f.write(msgpack.packb({"num_server": len(self._servers), "servers": blobs}))
 
+    def server_stats(self) -> list[dict]:
+        found: dict = {}
+
+        def keep(server):
+            return lambda msg: found.__setitem__(server, msg.body)
+
+        ids = [
+            self._send(s, "command", {"name": "stats"}, on_reply=keep(s))
+            for s in range(len(self._servers))
+        ]
+        self._wait("server_stats", ids)
+        stats = []
+        for s in range(len(self._servers)):
+            body = found.get(s, {})
+            rows = {key: {"rows": n, "bytes": b} for key, n, b in body.get("rows", ())}
+            stats.append({"server": s, "rss": int(body.get("rss", 0)), "rows": rows})
+        return stats
+
     def load_optimizer_states(self, fname: str) -> None:
         """Give every server back its part of :meth:`save_optimizer_states`'s file."""
         with open(fname, "rb") as f:
