@@ -1154,10 +1154,14 @@ class Server:
                 if ids[0] < owned[0] or ids[-1] >= owned[1]:
                     raise ValueError(
                         f"key {_show(key)}: row ids of another server (this one holds "
-                        f"[{owned[0]}, {owned[1]}))"
+                        f"[{owned[0]}, {owned[1]}) of the key, sharded by range: did every "
+                        "worker init it with the same sharding?)"
                     )
             elif servers > 1 and (row_server(ids, servers) != key[1]).any():
-                raise ValueError(f"key {_show(key)}: row ids of another server")
+                raise ValueError(
+                    f"key {_show(key)}: row ids of another server (the key is sharded by "
+                    "hash here: did every worker init it with the same sharding?)"
+                )
         if rows is not None and (rows.dtype != dtype or rows.shape != (ids.size, dim)):
             raise ValueError(
                 f"key {_show(key)}: got rows {rows.shape} x {rows.dtype}, expected "

@@ -243,13 +243,16 @@ def _unique(ids: np.ndarray) -> np.ndarray:
 
 
 def sum_rows(values: list, shape, dtype) -> RowSparse:
-    """The sum of several pushes of a key (devices, or workers in rank order), canonical."""
+    """The sum of several pushes of a key (devices, or workers in rank order), canonical:
+    the bits of ``0 + a + b`` (of one push too: -0.0 becomes 0.0 on every path)."""
     values = [v for v in values if v.nnz]
+    zero = np.dtype(dtype).type(0)
     if not values:
         return RowSparse(np.empty(0, np.int64), np.empty((0, shape[1]), dtype), shape)
     if len(values) == 1:
         v = values[0]
-        return RowSparse._trusted(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
+        v = RowSparse._trusted(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
+        return RowSparse._trusted(v.indices, np.add(zero, v.data), shape)  # (not in place)
     if all(_increasing(v.indices) for v in values):
         # each push canonical (the servers' case): add each into the union's rows, in order;
         # no sort of the rows themselves (0 + a + b is a + b: the same sum as below)
@@ -262,7 +265,9 @@ def sum_rows(values: list, shape, dtype) -> RowSparse:
         return RowSparse(union, total, shape)
     ids = np.concatenate([v.indices for v in values])
     data = np.concatenate([v.data.astype(dtype, copy=False) for v in values])
-    return RowSparse(ids, data, shape).canonical()
+    total = RowSparse(ids, data, shape).canonical()  # new arrays: written in place
+    np.add(zero, total.data, out=total.data)
+    return total
 
 
 # ---------------------------------------------------------------- initializers

@@ -408,6 +408,11 @@ class KVStore:
         >>> ...  # compute the next bucket
         >>> pending.wait()  # doctest: +SKIP
         """
+        if self._sparse and self._names_rows(key):
+            raise TypeError(
+                f"pushpull_async(key={key!r}): names a row-sparse key, which it does not "
+                "take; use pushpull (one message per server as well)"
+            )
         items = self._items("pushpull", key, value, value if out is None else out)
         self._pushed = True
         return self._pushpull_start(items)

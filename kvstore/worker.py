@@ -544,6 +544,12 @@ class DistStore(KVStore):
         names = [self._server_name(s) for s in servers]
         if answer is not None and not waiting:
             names.append(f"the scheduler at {self.cfg.scheduler_address}")
+        if not names:  # only the trackers of arrays sent without a copy: still queued
+            return (
+                f"{what}: the arrays sent are still queued in ZeroMQ after "
+                f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT): is the server reading "
+                "from the network?"
+            )
         return (
             f"{what}: no reply from {', '.join(names) or 'the network'} within "
             f"{self.cfg.request_timeout:g}s (KVSTORE_TIMEOUT), and no word that the peers it "
@@ -934,6 +940,10 @@ class DistStore(KVStore):
         """One message per server: the push, answered with the pushed rows once its round
         is applied."""
         n = len(self._servers)
+        if self._rows_back:  # its keys' rows change: an earlier push's reply is not them now
+            self._forget_rows_back([item.key for item in items])
+        for item in items:  # (a pull after it learns nothing: no reply of it is kept)
+            self._rows_pushed.pop(item.key, None)
         outgoing, collector = sparse.plan_push(
             items, n, self._sync, self._sparse, pulls, self._planner.shm_servers
         )

@@ -94,7 +94,7 @@ def test_row_sparse_pull_after_push(cluster, num_server, num_worker, kind, shard
     through TCP too, KVSTORE_SHM=0)."""
     c = cluster(num_server, num_worker, KVSTORE_SHM=shm)
     outs = c.run_workers("sparse_pull_after_push.py", [kind, sharding], timeout=120)
-    assert all(f"OK 30 pulls after pushes ({kind})" in o for o in outs), outs
+    assert all(f"OK 33 pulls after pushes ({kind})" in o for o in outs), outs
 
 
 @pytest.mark.parametrize("what", ["pull", "push_then_pull_twice"])

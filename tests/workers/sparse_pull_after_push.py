@@ -51,7 +51,7 @@ def pushes(step, key):
     return out
 
 
-def push(step, keys):
+def push(step, keys, call=None):
     grads = []
     for key in keys:
         every = pushes(step, key)
@@ -65,7 +65,8 @@ def push(step, keys):
             ids, rows = every[rank]
             want[key][ids] += rows
         grads.append(RowSparse(*every[rank], shape))
-    kv.push(keys if len(keys) > 1 else keys[0], grads if len(keys) > 1 else grads[0])
+    call = call or kv.push
+    call(keys if len(keys) > 1 else keys[0], grads if len(keys) > 1 else grads[0])
     for g in grads:  # the caller's rows are its own again once push returns
         g.data[...] = np.nan
     return [g.indices for g in grads]
@@ -93,7 +94,7 @@ def others(pushed, rng):
 
 step, served, asking = 0, {}, {}
 patterns = ["same", "subset", "outs", "other", "two keys", "twice", "barrier", "same", "pushes"]
-patterns += ["reused"]
+patterns += ["reused", "pushpull"]
 for name in patterns:
     for n in range(3):
         rng = np.random.default_rng([rank, step, 7])
@@ -135,6 +136,11 @@ for name in patterns:
                 out = np.zeros(shape, np.float32)
                 kv.row_sparse_pull("e", out=out, row_ids=ask)
                 check("e", out, ask, name)
+            elif name == "pushpull":  # another round of the key, then a pull of the push's
+                push(step + 1000, ["e"], call=kv.pushpull)  # (its rows, not the push's reply)
+                out = RowSparse.empty(shape, np.float32)
+                kv.row_sparse_pull("e", out=out, row_ids=ids)
+                check("e", out, ids, name)
             elif name == "reused":  # the pushed id array, rewritten in place: other rows
                 new = np.sort(rng.choice(shape[0] // W, ids.size, replace=False))
                 ids[:] = new if sync else new * W + rank  # (dist_async: this worker's rows)
@@ -159,7 +165,8 @@ if sync:
     for name in ("same", "subset", "outs", "two keys"):
         assert served[(name, 2)] is not False, f"rank {rank}: {name}: a sparse_pull was sent"
     assert asking == {0: True, 1: False, 2: False}, asking
-    for name in ("other", "barrier", "twice", "reused"):  # twice: the second pull is a message
+    # twice: the second pull is a message; pushpull: the push's reply is not the rows now
+    for name in ("other", "barrier", "twice", "reused", "pushpull"):
         assert served[(name, 2)] is not True, f"rank {rank}: {name}: no sparse_pull was sent"
 else:
     assert True not in served.values(), f"rank {rank}: {kind}: a pull read a push's reply"

@@ -31,7 +31,7 @@ cases = [
 ]
 cases = [("e", bad, reason) for bad, reason in cases]
 cases += [
-    ("r", np.array([3, 50], np.int64), "row ids of another server (this one holds [0, 50))"),
+    ("r", np.array([3, 50], np.int64), "row ids of another server (this one holds [0, 50)"),
     ("r", np.array([49, 99], np.int64), "row ids of another server"),
 ]
 for key, bad, reason in cases:
