@@ -1,6 +1,8 @@
 """Row-sparse keys on real clusters: MXNet's nightly row-sparse checks and more, one worker
 script per cluster (tests/workers/sparse_nightly.py)."""
 
+import json
+
 import pytest
 
 
@@ -119,3 +121,28 @@ def test_push_every_key_then_pull_every_key_reads_the_replies(cluster):
     c = cluster(1, 1)
     outs = c.run_workers("sparse_two_keys_loop.py")
     assert "OK two keys loop" in outs[0], outs
+
+
+@pytest.mark.parametrize(
+    "num_server,num_worker,dtype,shm,kind",
+    [
+        (2, 2, "float32", "1", "dist_sync"),
+        (3, 2, "float16", "0", "dist_sync"),
+        (2, 3, "complex64", "1", "dist_sync"),
+        (2, 2, "float64", "1", "dist_device_sync"),
+    ],
+)
+def test_row_sparse_fuzz_is_exact(cluster, num_server, num_worker, dtype, shm, kind):
+    """Random push / pushpull / row_sparse_pull steps on hash and range keys, bit for bit
+    against a NumPy model (tests/workers/sparse_fuzz.py); the seed is printed. Replies come
+    as deltas and as every row, and pulls are read from a push's reply, in every run."""
+    import random
+
+    seed = random.randrange(1 << 30)
+    print(f"sparse fuzz seed {seed}")
+    c = cluster(num_server, num_worker, KVSTORE_SHM=shm, FUZZ_KIND=kind)
+    outs = c.run_workers("sparse_fuzz.py", [dtype, 120, seed], timeout=120)
+    for out in outs:
+        assert "OK fuzz 120 steps" in out, (seed, outs)
+        counts = json.loads(out.split("COUNTS ")[1].splitlines()[0])
+        assert counts["delta"] > 0 and counts["full"] > 0 and counts["served"] > 0, (seed, out)
