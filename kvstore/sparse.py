@@ -242,17 +242,20 @@ def _unique(ids: np.ndarray) -> np.ndarray:
     return ids if _increasing(ids) else np.unique(ids)
 
 
-def sum_rows(values: list, shape, dtype) -> RowSparse:
+def sum_rows(values: list, shape, dtype, zero: bool = True) -> RowSparse:
     """The sum of several pushes of a key (devices, or workers in rank order), canonical:
-    the bits of ``0 + a + b`` (of one push too: -0.0 becomes 0.0 on every path)."""
+    the bits of ``0 + a + b`` (of one push too: -0.0 becomes 0.0 on every path). With
+    ``zero=False`` one push's rows come back as they are (a worker's push: the servers add
+    it to 0, and the push is not copied for nothing)."""
     values = [v for v in values if v.nnz]
-    zero = np.dtype(dtype).type(0)
     if not values:
         return RowSparse(np.empty(0, np.int64), np.empty((0, shape[1]), dtype), shape)
     if len(values) == 1:
         v = values[0]
         v = RowSparse._trusted(v.indices, v.data.astype(dtype, copy=False), shape).canonical()
-        return RowSparse._trusted(v.indices, np.add(zero, v.data), shape)  # (not in place)
+        if zero:  # (not in place: the data may be the caller's)
+            v = RowSparse._trusted(v.indices, np.add(np.dtype(dtype).type(0), v.data), shape)
+        return v
     if all(_increasing(v.indices) for v in values):
         # each push canonical (the servers' case): add each into the union's rows, in order;
         # no sort of the rows themselves (0 + a + b is a + b: the same sum as below)
@@ -266,7 +269,7 @@ def sum_rows(values: list, shape, dtype) -> RowSparse:
     ids = np.concatenate([v.indices for v in values])
     data = np.concatenate([v.data.astype(dtype, copy=False) for v in values])
     total = RowSparse(ids, data, shape).canonical()  # new arrays: written in place
-    np.add(zero, total.data, out=total.data)
+    np.add(np.dtype(dtype).type(0), total.data, out=total.data)
     return total
 
 

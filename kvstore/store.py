@@ -617,7 +617,7 @@ class KVStore:
                     f"initialised dtype {meta.dtype} (no same-kind cast)"
                 )
             checked.append(v)
-        return sum_rows(checked, meta.shape, meta.dtype)
+        return sum_rows(checked, meta.shape, meta.dtype, zero=False)
 
     def init_rows(self, key, value) -> None:
         """Initialise row-sparse keys: ``value`` a :class:`~kvstore.sparse.RowSparse` holding
@@ -982,7 +982,8 @@ class LocalStore(KVStore):
     def _push_rows(self, items):
         for item in items:
             table = self._tables[item.key]
-            value = item.value
+            value = item.value  # as a server's round: 0 + the push (-0.0 is 0.0)
+            value = RowSparse(value.indices, np.add(table.dtype.type(0), value.data), value.shape)
             if self._updater is None:
                 table.apply(value.indices, value.data)
                 continue
