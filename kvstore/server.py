@@ -219,7 +219,7 @@ class Server:
                     if not self.sock.getsockopt(_EVENTS) & _POLLIN:
                         break
                     try:
-                        identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        identity, *frames = transport.recv(self.sock, transport.NOBLOCK)
                     except zmq.Again:
                         break
                     self._handle(identity.bytes, frames)

@@ -537,7 +537,7 @@ class DistStore(KVStore):
                     if handler(msg, what):
                         deadline = time.monotonic() + self.cfg.request_timeout
                 else:
-                    self._on_reply(sock.recv_multipart(copy=False), what)
+                    self._on_reply(transport.recv(sock), what)
 
     def _deadline_text(self, what: str, waiting: set, answer: str | None) -> str:
         servers = sorted({self._requests[i].server for i in waiting})
