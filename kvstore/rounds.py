@@ -119,6 +119,7 @@ class _Key:
     # elastic jobs: newcomers that have not pushed this key yet, out of its rounds until then
     absent: set = field(default_factory=set)
     zeroed: int = -1  # the round whose absent newcomers' leaves are in (as zeros)
+    firsts: dict = field(default_factory=dict)  # round -> newcomers whose first push it holds
 
 
 class Rounds:
@@ -149,6 +150,9 @@ class Rounds:
         self.left: set[int] = set()  # elastic jobs: slots no worker holds now
         self._arrived = False  # a slot was taken mid-job: rounds are not counted by pushes
         self.arrived_at: dict[int, int] = {}  # slot -> the membership epoch its holder came
+        # newcomers seen in a completed round of this server: slot -> its arrival epoch (the
+        # server's replies say so; see expect)
+        self.entered: dict[int, int] = {}
         self._open: set[Hashable] = set()  # keys with a sync round under way
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
@@ -222,6 +226,8 @@ class Rounds:
             if state.absent and rank in state.absent:  # a newcomer's first push of it
                 state.absent.discard(rank)
                 state.pushed[rank] = max(state.pushed[rank], state.done)
+                if rank not in self.entered:
+                    state.firsts.setdefault(state.pushed[rank], []).append(rank)
             n = state.pushed[rank]
             state.pushed[rank] = n + 1
             state.last_push[rank] = now
@@ -310,6 +316,7 @@ class Rounds:
         placed = rank in self.joined_ranks or rank in self.left  # its zero is in open rounds
         self.left.add(rank)
         self.joined_ranks.discard(rank)
+        self.entered.pop(rank, None)
         for key in list(self._open):
             state = self.keys[key]
             out = rank in state.outsiders
@@ -331,6 +338,7 @@ class Rounds:
         self.left.discard(rank)
         self._arrived = True
         self.arrived_at[rank] = epoch
+        self.entered.pop(rank, None)
         for key, state in self.keys.items():
             if state.members is not None:
                 state.outsiders = state.outsiders | {rank}
@@ -549,6 +557,8 @@ class Rounds:
             self._open.discard(state.name)
             actions.append(Apply(state.name, total, False))
             state.done = done = state.done + 1
+            if state.firsts:
+                self._entered(state.firsts.pop(done - 1, ()))
             waiting = state.waiting.pop(done, None)
             if waiting:
                 for request in waiting:
@@ -583,6 +593,34 @@ class Rounds:
                 state.pushed[rank] = state.done + 1
             self._advance(state, now, actions)
         return actions
+
+    def _entered(self, ranks) -> None:
+        for rank in ranks:
+            epoch = self.arrived_at.get(rank)
+            if epoch is not None and rank not in self.left:
+                self.entered[rank] = epoch
+
+    def expect(self, newcomers, keys) -> None:
+        """A worker pushing ``keys`` saw ``newcomers`` (``[[slot, arrival epoch]]``) in a
+        completed round (a server's reply told it): each is in these keys' rounds from the
+        open one on, even before its first push of them.
+
+        Why: a newcomer's rounds begin at its first push of each key, and each server places
+        that push alone. In a loop of blocking pushpulls over keys on several servers, a
+        newcomer whose push of key B came just after B's round closed without it would be a
+        round ahead on B (waiting for the others) while they wait for it in key A's next
+        round: a deadlock. Every push the others make after the newcomer's first round
+        completed comes after it in their loop, as the newcomer's own pushes do, so from
+        such a push on the key's rounds wait for it: its pushes and theirs stay in step.
+        ``Rounds.enter`` (kvstore.elastic's reset) does the same for every key at once."""
+        for slot, epoch in newcomers:
+            if self.arrived_at.get(slot) != epoch:  # an old holder's, or not heard of yet
+                continue
+            for key in keys:
+                state = self.keys.get(key)
+                if state is not None and state.absent and slot in state.absent:
+                    state.absent.discard(slot)
+                    state.pushed[slot] = max(state.pushed[slot], state.done)
 
     def _close_absent(self, state: _Key) -> None:
         """Once every other worker pushed the open round, the newcomers that have not pushed

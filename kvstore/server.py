@@ -341,6 +341,9 @@ class Server:
     def _send(self, identity: bytes, msg: Message, keys=None, track: bool = True) -> None:
         """Send without blocking; ``keys`` name the stored arrays the message carries
         (``track=False``: it carries only fresh copies)."""
+        if self.rounds.entered and identity.startswith(b"worker"):  # elastic: Rounds.expect
+            body = {**msg.body, "entered": [list(e) for e in self.rounds.entered.items()]}
+            msg = Message(msg.kind, msg.id, msg.sender, body, msg.arrays)
         try:
             sent = transport.send(self.sock, msg, route=identity, track=track)
         except zmq.Again:
@@ -795,12 +798,23 @@ class Server:
         # dist_ssp keeps a push past its answer, and the worker may then write its segment
         if staleness is not None and staleness > 0 and self._shm_of:
             grads = [(k, g.copy() if _in_segment(g) else g) for k, g in grads]
+        if "entered" in msg.body:
+            self._expect(msg.body["entered"], grads)
         now = time.monotonic()
         request = Request(identity, msg)
         held = 0
         if self.chains is not None:
             grads, held = self._replicated_push(rank, msg, grads, sync)
         self._execute(self.rounds.push(request, rank, grads, sync, now, staleness, held))
+
+    def _expect(self, entered, grads: list) -> None:
+        """Elastic jobs: the newcomers the pushing worker saw in a completed round are in
+        these keys' rounds from now on (Rounds.expect)."""
+        if not isinstance(entered, list) or not all(
+            isinstance(e, list) and len(e) == 2 and all(type(x) is int for x in e) for e in entered
+        ):
+            raise ValueError(f"'entered' must be [[slot, epoch], ...], got {entered!r:.60}")
+        self.rounds.expect(entered, [key for key, _ in grads])
 
     @metrics.served
     def _on_pull(self, identity, rank, msg) -> None:
@@ -1225,6 +1239,8 @@ class Server:
             if self.updater is not None:  # refused now, not when its round is applied
                 check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
         grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
+        if "entered" in msg.body:
+            self._expect(msg.body["entered"], grads)
         before = [self.rounds.keys[key].pushed[rank] for key in keys]
         actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
         # the rows are filed only where the rounds took the push (not after join(), not into

@@ -56,6 +56,7 @@ _MUTATING = frozenset(
     | {"sparse_init", "sparse_push", "sparse_load"}  # row-sparse keys
 )
 _PULLING = frozenset({"pull", "pushpull", "sparse_pull"})  # and a sparse_push with "pull"
+_PUSHING = frozenset({"push", "pushpull", "sparse_push"})  # the requests a round counts
 # Requests every live replica of a part gets its own copy of (or that prove one connection):
 # after a failover, one to a dead server is not sent again.
 _FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth"})
@@ -197,6 +198,13 @@ class DistStore(KVStore):
         self._arrival = self._members_epoch if self._late else 0  # when it took its slot
         self._arrivals: dict = {}  # slot -> its holder's arrival, as the last reset agreed
         self._joined_epoch = self._members_epoch  # the epoch this worker came in
+        # the membership epoch the servers must know before they act on this worker's
+        # requests: its own arrival's, or a newcomer's it tells them of (_saw_entered)
+        self._mepoch = self._joined_epoch if self._late else 0
+        # elastic: the newcomers a server's reply said were in a completed round (slot ->
+        # arrival epoch); every push tells the servers (Rounds.expect)
+        self._entered: dict = {}
+        self._entered_wire: list = []
         self._servers = [tuple(s) for s in book.body["servers"]]
         # KVSTORE_REPLICAS > 1: the servers holding each server's parts (kvstore.sharding);
         # a request goes to the live server acting for its server (_route), and is kept
@@ -324,8 +332,8 @@ class DistStore(KVStore):
         msg_id = next(self._ids)
         if self._epoch:
             body = {**body, "epoch": self._epoch}
-        if self._late:  # the servers act on it once they know this worker (its epoch)
-            body = {**body, "mepoch": self._joined_epoch}
+        if self._mepoch:  # the servers act on it once they know this worker (its epoch)
+            body = {**body, "mepoch": self._mepoch}
         msg = Message(kind, msg_id, f"worker-{self._rank}", body, list(arrays))
         self._transmit(server, msg)
         kept = msg if self._chains else None
@@ -371,8 +379,10 @@ class DistStore(KVStore):
                 pulled = self._pull_regions(out) if pulling and here else ()
                 if pulled:
                     body["shm_pull"] = pulled
-                if self._late:
-                    body["mepoch"] = self._joined_epoch
+                if self._mepoch:
+                    body["mepoch"] = self._mepoch
+                if self._entered_wire and out.kind in _PUSHING:
+                    body["entered"] = self._entered_wire
                 if retain:
                     if self._epoch:
                         body["epoch"] = self._epoch
@@ -643,6 +653,8 @@ class DistStore(KVStore):
             msg = decode(frames)
         except ProtocolError as exc:
             raise KVStoreError(f"{what}: bad reply from a server: {exc}") from None
+        if "entered" in msg.body:
+            self._saw_entered(msg.body["entered"])
         request = self._requests.pop(msg.id, None)
         if request is None:
             return  # a reply of a request given up on
@@ -674,6 +686,26 @@ class DistStore(KVStore):
                 ) from None
         elif request.on_reply is not None:
             request.on_reply(msg)
+
+    def _saw_entered(self, entered) -> None:
+        """A server's reply: these newcomers ([[slot, arrival epoch]]) were in one of its
+        rounds that completed. This worker's pushes from now on say so, so that every server
+        waits for them in the rounds they come after (Rounds.expect)."""
+        if not isinstance(entered, list):
+            raise KVStoreError(f"bad reply from a server: 'entered' is {entered!r:.60}")
+        changed = False
+        for item in entered:
+            if not (
+                isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)
+            ):
+                raise KVStoreError(f"bad reply from a server: 'entered' holds {item!r:.60}")
+            slot, epoch = item
+            if slot != self._rank and self._entered.get(slot, -1) < epoch:
+                self._entered[slot] = epoch
+                changed = True
+        if changed:
+            self._entered_wire = [[slot, epoch] for slot, epoch in self._entered.items()]
+            self._mepoch = max(self._mepoch, *self._entered.values())
 
     def _read(self, msg: Message, request: _Request) -> list:
         """The reply's arrays, those left in shared segments read from there."""

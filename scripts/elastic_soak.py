@@ -15,6 +15,9 @@ step. Checks, and prints:
 - throughput: steps per second per live worker, against a run of the same length with no
   change, in the same run.
 
+With ``--keys K`` each worker pushes K keys a step, one blocking ``pushpull`` after another
+(Gluon's per-parameter loop, spread over the servers), and every key's tally is checked.
+
     python scripts/elastic_soak.py --changes 60            # every 5-10 s, as the issue asks
     python scripts/elastic_soak.py --changes 6 --every 1,2 # a short one
 """
@@ -40,8 +43,8 @@ WORKER = ROOT / "tests" / "workers" / "elastic_soak.py"
 
 
 class Job:
-    def __init__(self, tmp: Path, slots: int, least: int, servers: int, pause: float):
-        self.tmp, self.pause = tmp, pause
+    def __init__(self, tmp: Path, slots: int, least: int, servers: int, pause: float, keys=1):
+        self.tmp, self.pause, self.keys = tmp, pause, keys
         self.env = base_env(
             servers,
             slots,
@@ -74,7 +77,7 @@ class Job:
     def join(self, slot: int) -> None:
         proc, log = self._spawn(
             f"worker{slot}",
-            [sys.executable, str(WORKER), str(self.pause)],
+            [sys.executable, str(WORKER), str(self.pause), str(self.keys)],
             "worker",
             KVSTORE_RANK=str(slot),
         )
@@ -125,23 +128,27 @@ def check(logs: list[Path]) -> tuple[list[str], float, int]:
         text = log.read_text(errors="replace")
         start = re.search(r"start slot (\d+) pid \d+ late (\d)", text)
         lines = re.findall(
-            r"^step (\d+) count (\S+) who (\d+) workers \d+ epoch \d+ t (\S+)", text, re.M
+            r"^step (\d+) count (\S+) who (\d+) workers \d+ epoch \d+ t (\S+)(.*)$", text, re.M
         )
         if start is None:
             problems.append(f"{log.name}: never started")
             continue
         slot, late = int(start[1]), start[2] == "1"
-        steps = [int(s) for s, _, _, _ in lines]
+        steps = [int(line[0]) for line in lines]
         if steps != list(range(len(steps))):
             problems.append(f"{log.name}: steps not 0..n in order (a restart or a gap)")
-        for s, count, who, _ in lines:
+        for s, count, who, _, more in lines:
             rounds += 1
-            if bin(int(who)).count("1") != float(count):
-                problems.append(f"{log.name} step {s}: count {count} but who {int(who):b}")
+            tallies = [(count, who)] + re.findall(r"(\S+)/(\d+)", more)
+            for k, (count, who) in enumerate(tallies):
+                if bin(int(who)).count("1") != float(count):
+                    problems.append(
+                        f"{log.name} step {s} key {k}: count {count} but who {int(who):b}"
+                    )
         if late and lines and not int(lines[0][2]) >> slot & 1:
             problems.append(f"{log.name}: a newcomer's first round lacks its own push")
         if len(lines) > 10:
-            times = [float(t) for _, _, _, t in lines]
+            times = [float(line[3]) for line in lines]
             rates.append((len(times) - 1) / (times[-1] - times[0]))
     rate = sum(rates) / len(rates) if rates else 0.0
     return problems, rate, rounds
@@ -150,7 +157,7 @@ def check(logs: list[Path]) -> tuple[list[str], float, int]:
 def run(args, changes: int, seed: int) -> tuple[list[str], float, int, int]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause)
+        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause, args.keys)
         problems: list[str] = []
         try:
             for slot in range(args.start):
@@ -198,6 +205,7 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=4, help="workers at the start")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--pause", type=float, default=0.05, help="seconds a step computes")
+    parser.add_argument("--keys", type=int, default=1, help="keys pushed a step, in turn")
     parser.add_argument("--hang", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
@@ -223,7 +231,7 @@ def main() -> int:
 def run_still(args, seconds: float, seed: int) -> tuple[list[str], float, int, int]:
     """The job with no change for ``seconds``: the throughput to compare with."""
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause)
+        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause, args.keys)
         try:
             for slot in range(args.start):
                 job.join(slot)

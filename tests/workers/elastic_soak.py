@@ -5,7 +5,11 @@ Prints one line a step; stops when the file ``stop`` exists in the working direc
 workers) or ``leave-<slot>`` does (this one: it closes its store and exits 0, a graceful
 leave).
 
-argv: seconds per step.
+With a second argument K > 1 it pushes K keys each step ("tally", "tally-1", ...), one blocking
+``pushpull`` after another (Gluon's per-parameter loop), and prints each further key's tally
+after ``more``.
+
+argv: seconds per step [, keys].
 """
 
 import os
@@ -17,18 +21,22 @@ import numpy as np
 import kvstore
 
 pause = float(sys.argv[1])
+keys = ["tally"] + [f"tally-{i}" for i in range(1, int(sys.argv[2]) if len(sys.argv) > 2 else 1)]
 kv = kvstore.create("dist_sync")
 slot = kv._rank
-kv.init("tally", np.zeros(2, np.float32))
+for key in keys:
+    kv.init(key, np.zeros(2, np.float32))
 print(f"start slot {slot} pid {os.getpid()} late {int(kv._late)}", flush=True)
-tally = np.zeros(2, np.float32)
+tallies = [np.zeros(2, np.float32) for _ in keys]
 mine = np.array([1.0, 2.0**slot], np.float32)
 step = 0
 while not os.path.exists("stop") and not os.path.exists(f"leave-{slot}"):
-    kv.pushpull("tally", mine, out=tally)
+    for key, tally in zip(keys, tallies, strict=True):
+        kv.pushpull(key, mine, out=tally)
+    more = " ".join(f"{t[0]:g}/{int(t[1])}" for t in tallies[1:])
     print(
-        f"step {step} count {tally[0]:g} who {int(tally[1])} workers {kv.num_workers} "
-        f"epoch {kv.epoch} t {time.time():.3f}",
+        f"step {step} count {tallies[0][0]:g} who {int(tallies[0][1])} workers {kv.num_workers} "
+        f"epoch {kv.epoch} t {time.time():.3f}" + (f" more {more}" if more else ""),
         flush=True,
     )
     step += 1
