@@ -15,8 +15,9 @@ step. Checks, and prints:
 - throughput: steps per second per live worker, against a run of the same length with no
   change, in the same run.
 
-With ``--keys K`` each worker pushes K keys a step, one blocking ``pushpull`` after another
-(Gluon's per-parameter loop, spread over the servers), and every key's tally is checked.
+With ``--keys K`` each worker pushes K keys a step (spread over the servers), one blocking
+``pushpull`` after another (Gluon's per-parameter loop), or with ``--pattern async`` a
+``pushpull_async`` of each then a wait for all (Horovod's); every key's tally is checked.
 
     python scripts/elastic_soak.py --changes 60            # every 5-10 s, as the issue asks
     python scripts/elastic_soak.py --changes 6 --every 1,2 # a short one
@@ -43,8 +44,17 @@ WORKER = ROOT / "tests" / "workers" / "elastic_soak.py"
 
 
 class Job:
-    def __init__(self, tmp: Path, slots: int, least: int, servers: int, pause: float, keys=1):
-        self.tmp, self.pause, self.keys = tmp, pause, keys
+    def __init__(
+        self,
+        tmp: Path,
+        slots: int,
+        least: int,
+        servers: int,
+        pause: float,
+        keys=1,
+        pattern="blocking",
+    ):
+        self.tmp, self.pause, self.keys, self.pattern = tmp, pause, keys, pattern
         self.env = base_env(
             servers,
             slots,
@@ -77,7 +87,7 @@ class Job:
     def join(self, slot: int) -> None:
         proc, log = self._spawn(
             f"worker{slot}",
-            [sys.executable, str(WORKER), str(self.pause), str(self.keys)],
+            [sys.executable, str(WORKER), str(self.pause), str(self.keys), self.pattern],
             "worker",
             KVSTORE_RANK=str(slot),
         )
@@ -157,7 +167,7 @@ def check(logs: list[Path]) -> tuple[list[str], float, int]:
 def run(args, changes: int, seed: int) -> tuple[list[str], float, int, int]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause, args.keys)
+        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause, args.keys, args.pattern)
         problems: list[str] = []
         try:
             for slot in range(args.start):
@@ -206,6 +216,7 @@ def main() -> int:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--pause", type=float, default=0.05, help="seconds a step computes")
     parser.add_argument("--keys", type=int, default=1, help="keys pushed a step, in turn")
+    parser.add_argument("--pattern", default="blocking", choices=["blocking", "async"])
     parser.add_argument("--hang", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
@@ -231,7 +242,7 @@ def main() -> int:
 def run_still(args, seconds: float, seed: int) -> tuple[list[str], float, int, int]:
     """The job with no change for ``seconds``: the throughput to compare with."""
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause, args.keys)
+        job = Job(Path(tmp), args.max, args.min, args.servers, args.pause, args.keys, args.pattern)
         try:
             for slot in range(args.start):
                 job.join(slot)

@@ -6,10 +6,11 @@ workers) or ``leave-<slot>`` does (this one: it closes its store and exits 0, a 
 leave).
 
 With a second argument K > 1 it pushes K keys each step ("tally", "tally-1", ...), one blocking
-``pushpull`` after another (Gluon's per-parameter loop), and prints each further key's tally
-after ``more``.
+``pushpull`` after another (Gluon's per-parameter loop), or with a third argument ``async``
+a ``pushpull_async`` of each, then waits for them all (Horovod's), and prints each further
+key's tally after ``more``.
 
-argv: seconds per step [, keys].
+argv: seconds per step [, keys [, blocking|async]].
 """
 
 import os
@@ -22,6 +23,7 @@ import kvstore
 
 pause = float(sys.argv[1])
 keys = ["tally"] + [f"tally-{i}" for i in range(1, int(sys.argv[2]) if len(sys.argv) > 2 else 1)]
+pattern = sys.argv[3] if len(sys.argv) > 3 else "blocking"
 kv = kvstore.create("dist_sync")
 slot = kv._rank
 for key in keys:
@@ -31,8 +33,14 @@ tallies = [np.zeros(2, np.float32) for _ in keys]
 mine = np.array([1.0, 2.0**slot], np.float32)
 step = 0
 while not os.path.exists("stop") and not os.path.exists(f"leave-{slot}"):
-    for key, tally in zip(keys, tallies, strict=True):
-        kv.pushpull(key, mine, out=tally)
+    if pattern == "async":
+        for pending in [
+            kv.pushpull_async(k, mine, out=t) for k, t in zip(keys, tallies, strict=True)
+        ]:
+            pending.wait()
+    else:
+        for key, tally in zip(keys, tallies, strict=True):
+            kv.pushpull(key, mine, out=tally)
     more = " ".join(f"{t[0]:g}/{int(t[1])}" for t in tallies[1:])
     print(
         f"step {step} count {tallies[0][0]:g} who {int(tallies[0][1])} workers {kv.num_workers} "
