@@ -226,8 +226,9 @@ class Rounds:
             if state.absent and rank in state.absent:  # a newcomer's first push of it
                 state.absent.discard(rank)
                 state.pushed[rank] = max(state.pushed[rank], state.done)
-                if rank not in self.entered:
-                    state.firsts.setdefault(state.pushed[rank], []).append(rank)
+                if rank not in self.entered:  # (its holder now: the slot may change hands)
+                    first = (rank, self.arrived_at.get(rank))
+                    state.firsts.setdefault(state.pushed[rank], []).append(first)
             n = state.pushed[rank]
             state.pushed[rank] = n + 1
             state.last_push[rank] = now
@@ -594,10 +595,11 @@ class Rounds:
             self._advance(state, now, actions)
         return actions
 
-    def _entered(self, ranks) -> None:
-        for rank in ranks:
-            epoch = self.arrived_at.get(rank)
-            if epoch is not None and rank not in self.left:
+    def _entered(self, firsts) -> None:
+        """A round with these newcomers' first pushes (``(slot, arrival epoch)``) completed:
+        each one still holding its slot is in (a slot's later holder has pushed nothing)."""
+        for rank, epoch in firsts:
+            if epoch is not None and self.arrived_at.get(rank) == epoch and rank not in self.left:
                 self.entered[rank] = epoch
 
     def expect(self, newcomers, keys) -> None:

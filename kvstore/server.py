@@ -551,10 +551,20 @@ class Server:
             if type(epoch) is int and epoch > self.epoch:  # sent after a failover we have
                 self._deferred.append((identity, frames))  # not heard of yet: keep it
                 return
-        joined = msg.body.get("mepoch")  # a newcomer to an elastic job: the epoch it came in
-        if type(joined) is int and joined > self.members_epoch:  # its credential and its
-            if len(self._deferred) < 10_000:  # rounds come with that notice: wait for it
+        # an elastic job: the membership epoch the request depends on (a newcomer's arrival:
+        # its credential and rounds come with that notice; or one it was told entered)
+        joined = msg.body.get("mepoch")
+        if type(joined) is int and joined > self.members_epoch:  # wait for that notice
+            if len(self._deferred) < 10_000:
                 self._deferred.append((identity, frames))
+            else:  # never dropped in silence: the worker hears why
+                self._error(
+                    identity,
+                    msg,
+                    f"{msg.kind} refused: it depends on membership epoch {joined}, which this "
+                    f"server has not heard of (it knows {self.members_epoch}) while 10000 "
+                    "requests wait for it: is the scheduler alive and reachable?",
+                )
             return
         try:
             rank = self._worker_rank(identity, frames[0], msg.kind)

