@@ -112,36 +112,37 @@ class Control:
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(self.address)
-        sock.send_multipart(
-            encode(
-                Message(
-                    "register",
-                    0,
-                    self.role,
-                    {
-                        "role": self.role,
-                        "host": cfg.node_host,
-                        "port": self.port,
-                        "num_server": cfg.num_server,
-                        "num_worker": cfg.num_worker,
-                        "pid": os.getpid(),
-                        "rank_hint": cfg.rank_hint,
-                        "cred": self.cred,
-                        "store": self.store,
-                    },
-                )
+        register = encode(
+            Message(
+                "register",
+                0,
+                self.role,
+                {
+                    "role": self.role,
+                    "host": cfg.node_host,
+                    "port": self.port,
+                    "num_server": cfg.num_server,
+                    "num_worker": cfg.num_worker,
+                    "pid": os.getpid(),
+                    "rank_hint": cfg.rank_hint,
+                    "cred": self.cred,
+                    "store": self.store,
+                },
             )
         )
+        sock.send_multipart(register)
         log.info("%s registering with the scheduler at %s", self.role, cfg.scheduler_address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(peer, zmq.POLLIN)
         monitor = None
         if not cfg.insecure:  # a refused key fails at once, not at the start-up deadline
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECTED)
+            watch = _HANDSHAKE_FAILED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            monitor = sock.get_monitor_socket(watch)
             poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = last_turn = time.monotonic()
         registered = finalizing = refused = False
+        failed = 0  # handshakes failed in a row
         try:
             while True:
                 now = time.monotonic()
@@ -169,9 +170,23 @@ class Control:
                         # told with the heartbeats, so a closed connection names its node
                         self._conn = auth.address_of(value, peer=False)
                         next_beat = time.monotonic()  # say it now
+                    elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        failed = 0
                     elif not registered and not refused:
-                        refused = True  # ZeroMQ retries; say it once
-                        peer.send_multipart(encode(_key_refused(cfg)))
+                        # a refused key fails every try (~0.1 s apart); one failure alone
+                        # may be a connection lost mid-handshake (reset, or one that met
+                        # itself: a port of the ephemeral range that nobody listens on yet
+                        # can connect to itself), tried again here: after a protocol error
+                        # ZeroMQ does not reconnect by itself
+                        failed += 1
+                        if failed >= _REFUSALS:
+                            refused = True  # ZeroMQ retries; say it once
+                            peer.send_multipart(encode(_key_refused(cfg)))
+                        else:
+                            log.info("handshake with the scheduler failed; connecting again")
+                            sock.disconnect(self.address)  # (what it held is gone)
+                            sock.connect(self.address)
+                            sock.send_multipart(register, zmq.NOBLOCK)
                 if sock in events:
                     frames = sock.recv_multipart()
                     last_heard = time.monotonic()
@@ -261,6 +276,7 @@ def _scheduler_failed(cfg: Config, silent: float) -> Message:
     return Message("node_failed", 0, "control", {"node": node, "reason": reason})
 
 
+_REFUSALS = 3  # handshakes failed in a row that mean the scheduler refuses this key
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

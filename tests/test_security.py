@@ -369,3 +369,55 @@ def test_broadcast_object_unpickles_the_roots_bytes_alone(cluster):
     assert not any("PWNED" in o for o in outs), outs
     for r, out in enumerate(outs):
         assert f"rank {r} got {{'from': 0, 'list': [0, 0, 0], 'pad': '{'.' * 100}'}}" in out, outs
+
+
+def test_a_handshake_lost_once_is_retried_not_taken_for_a_refused_key(tmp_path):
+    """A connection to the scheduler's port that fails mid-handshake (here a listener that
+    echoes it, as a connection that met itself does: a port of the ephemeral range nobody
+    listens on yet can connect to itself) is retried, and the job comes up;
+    only handshakes failing again and again mean a refused key. (CI once saw both servers
+    of a job exit with "refused this process's key" at start-up.)"""
+    env = base_env(1, 1)
+    port = int(env["DMLC_PS_ROOT_PORT"])
+    lure = socket.socket()
+    lure.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lure.bind(("127.0.0.1", port))
+    lure.listen(1)
+    lure.settimeout(30)
+    procs = []
+
+    def start(role, argv, log):
+        with open(tmp_path / log, "wb") as out:
+            procs.append(
+                subprocess.Popen(argv, env=dict(env, DMLC_ROLE=role), stdout=out, stderr=out)
+            )
+        return procs[-1]
+
+    code = (
+        "import numpy as np, kvstore\nkv = kvstore.create('dist_sync')\n"
+        "kv.init('k', np.zeros(3, np.float32))\nkv.push('k', np.ones(3, np.float32))\n"
+        "out = np.zeros(3, np.float32)\nkv.pull('k', out=out)\nprint('pulled', out.tolist())"
+    )
+    try:
+        start("server", [sys.executable, "-m", "kvstore.server"], "server.log")
+        conn, _ = lure.accept()  # the server's first try meets "itself": what it sends
+        conn.settimeout(0.5)  # comes back (its greeting, then its CURVE HELLO), then closed
+        try:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+        except OSError:
+            pass
+        conn.close()
+        lure.close()
+        start("scheduler", [sys.executable, "-m", "kvstore.scheduler"], "scheduler.log")
+        worker = start("worker", [sys.executable, "-c", code], "worker.log")
+        worker.wait(60)
+        said = (tmp_path / "worker.log").read_text() + (tmp_path / "server.log").read_text()
+        assert worker.returncode == 0 and "pulled [1.0, 1.0, 1.0]" in said, said
+        assert "refused" not in said, said
+    finally:
+        lure.close()
+        for proc in procs:  # by PID
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
