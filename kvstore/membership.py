@@ -576,17 +576,24 @@ class Membership:
                 StallSeen(what, b, text),
             ]
         parts = []
+        came = self._newcomers()
         for rank, silent in zip(b["missing"], b["silent"], strict=False):
             node = workers[rank]
             since = f"silent on this key for {silent:.0f}s" if silent >= 0 else "never pushed it"
+            new = f", a newcomer (epoch {came[rank]})" if rank in came else ""
             parts.append(
-                f"worker {rank} {since}, {self._doing(node)}, last heartbeat "
+                f"worker {rank}{new} {since}, {self._doing(node)}, last heartbeat "
                 f"{now - node.last_seen:.1f}s ago"
             )
         text = (
             f"stall: {what} has waited {b['age']:.0f}s for worker(s) {b['missing']} "
             f"(pushed by {b['present']}): {'; '.join(parts)} ({self._deadline()})"
         )
+        if any(rank in came for rank in b["missing"]):
+            text += (
+                "; a newcomer waiting in another key's round may have come in a round apart "
+                "there (README, Elastic workers: known limits): kvstore.elastic's reset avoids it"
+            )
         clocks = b.get("clocks")
         behind = [r for r in workers if r not in self.joined]
         if (
@@ -618,6 +625,17 @@ class Membership:
         stall = Message("stall", 0, "scheduler", {"message": text, "log": logged})
         actions += [Send(workers[rank].identity, stall) for rank in b["waiting"]]
         return actions
+
+    def _newcomers(self) -> dict:
+        """{slot: the epoch its holder came}: the slots taken after the start."""
+        came = {}
+        for change in self.history:
+            if "worker" in change:
+                if change["why"] == "joined":
+                    came[change["worker"]] = change["epoch"]
+                else:
+                    came.pop(change["worker"], None)
+        return came
 
     def _deadline(self) -> str:
         if self.cfg.round_timeout > 0:

@@ -372,6 +372,23 @@ def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_go
     assert book.kind == "book" and book.body["rank"] == 0  # the waiting one takes slot 0
 
 
+def test_a_stall_waiting_for_a_newcomer_says_so_and_how_to_avoid_it():
+    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
+    m.receive(b"s", register("server", 1), 0.0)
+    m.receive(b"a", register("worker", 2, 0), 0.0)
+    m.receive(b"b", register("worker", 3, 1), 0.0)
+    m.tick(1.1)
+    m.tick(2.5)  # started with slots 0 and 1
+    m.receive(b"c", register("worker", 4, 2), 2.6)  # slot 2, taken mid-job: epoch 1
+    body = {"key": "'w'", "round": 7, "age": 2.0, "missing": [2, 1], "silent": [-1.0, 1.0]}
+    body |= {"present": [0], "waiting": [0]}
+    actions = m.receive(b"s", Message("stalled", 1, "server", body), 2.7)
+    (text,) = {a.message.body["message"] for a in actions if isinstance(a, Send)}
+    assert "worker 2, a newcomer (epoch 1) never pushed it" in text, text
+    assert "worker 1 silent on this key" in text, text  # not a newcomer
+    assert "known limits): kvstore.elastic's reset avoids it" in text, text
+
+
 def _launch_elastic(
     tmp_path,
     kill_after: str,
