@@ -1241,8 +1241,7 @@ class Server:
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_push: {len(keys)} keys need {2 * len(keys)} arrays")
         sync = bool(msg.body.get("sync", True))
-        if msg.body.get("shm"):
-            self._shared_rows(msg, keys, rank)
+        shared = self._shared_rows(msg, keys, rank) if msg.body.get("shm") else ()
         for i, key in enumerate(keys):
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
             self._rows_of(key, ids, data)
@@ -1258,14 +1257,17 @@ class Server:
         for i, key in enumerate(keys):
             round_ = self._took(key, rank, before[i], sync, actions)
             if round_ is not None:
-                self.rows.add(key, round_, rank, msg.arrays[2 * i], msg.arrays[2 * i + 1], sync)
+                ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
+                self.rows.add(key, round_, rank, ids, rows, sync, 2 * i + 1 in shared)
         self._execute(actions)
 
-    def _shared_rows(self, msg: Message, keys: list, rank: int) -> None:
+    def _shared_rows(self, msg: Message, keys: list, rank: int) -> set:
         """Put in ``msg.arrays`` the rows a same-host worker left in shared segments
         (``shm``: ``[array index, segment, sequence, segment bytes]``), as read-only views:
         the worker writes a segment again only once this push is answered, i.e. after its
-        round (the view is not kept past it). A key's bigger segment replaces its last."""
+        round (the view is not kept past it). A key's bigger segment replaces its last.
+        Returns the indices replaced: their rows are ``0 +`` themselves (the worker wrote
+        them so), a round scatters them as they are."""
         entries = msg.body["shm"]
         if not isinstance(entries, list):
             raise ValueError("shm: expected a list of [index, segment, sequence, bytes]")
@@ -1304,6 +1306,7 @@ class Server:
             view.flags.writeable = False
             msg.arrays[index] = view
             self._shm_of[(rank, key)] = segment
+        return {entry[0] for entry in entries}
 
     def _took(self, key: tuple, rank: int, before: int, sync: bool, actions: list) -> int | None:
         """The round ``Rounds.push`` took ``rank``'s push of ``key`` into (``before``: the

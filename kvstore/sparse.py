@@ -590,14 +590,16 @@ class RowTable:
         self.changed[slots] = self.step
 
     def assign_sums(self, pushes: list) -> None:
-        """A round without an optimizer from its pushes ``[(ids, rows)]`` (each sorted and
-        unique, in rank order): the touched rows become their sum, the bits of ``0 + a + b``
-        in rank order (of one push too: -0.0 becomes 0.0 whoever pushed with it).
+        """A round without an optimizer from its pushes ``[(ids, rows, normal)]`` (each
+        sorted and unique, in rank order): the touched rows become their sum, the bits of
+        ``0 + a + b`` in rank order (of one push too: -0.0 becomes 0.0 whoever pushed with
+        it). ``normal``: the rows are ``0 +`` themselves already (a same-host worker writes
+        them so into its shared segment), scattered as they are, not through a scratch copy.
         :meth:`pushed_delta` then says, for each push, which of its rows are not ``0 +`` its
         own: those another push touched too."""
         self._next_step()
         zero, kept, dups = self.dtype.type(0), [], []
-        for ids, rows in pushes:
+        for ids, rows, normal in pushes:
             found, where = self.find(ids)
             again = None
             if kept and self.count:  # (before the round's first push no row is at this step)
@@ -609,7 +611,8 @@ class RowTable:
             # later push adds to them (a row changed at this step was written by an earlier
             # push of the round)
             earlier = None if again is None else self.block[where[again]]
-            put_rows(self.block, where, np.add(zero, rows, out=self._scratch(rows)))
+            given = rows if normal else np.add(zero, rows, out=self._scratch(rows))
+            put_rows(self.block, where, given)
             if earlier is not None:
                 self.block[where[again]] = earlier + rows[again]
                 dups.append(ids[again])
@@ -797,9 +800,11 @@ class SparseKeys:
             found = self.placeholders[dtype] = np.empty(0, dtype)
         return found
 
-    def add(self, where, round_: int, rank: int, ids, rows, sync: bool) -> None:
+    def add(self, where, round_: int, rank: int, ids, rows, sync: bool, normal=False) -> None:
+        """File a push for its round (``normal``: its rows are ``0 +`` themselves already,
+        :meth:`RowTable.assign_sums`)."""
         if sync:
-            self.pending[where].setdefault(round_, []).append((rank, ids, rows))
+            self.pending[where].setdefault(round_, []).append((rank, ids, rows, normal))
         else:
             self.arrivals[where].append((ids, rows))
 
@@ -817,14 +822,14 @@ class SparseKeys:
         self.rounds_done[where] += 1
         pushes.sort(key=lambda p: p[0])
         if optimizer is None and table.admit_after == 1:
-            table.assign_sums([(i, r) for _, i, r in pushes])
+            table.assign_sums([p[1:] for p in pushes])
             return
         shape = (table.rows, table.dim)
-        total = sum_rows([RowSparse(i, r, shape) for _, i, r in pushes], shape, table.dtype)
+        total = sum_rows([RowSparse(i, r, shape) for _, i, r, _ in pushes], shape, table.dtype)
         slots = table.apply(total.indices, total.data, optimizer, t, lr)
         if slots is not None:
             table.recent = {
-                id(i): (i, slots[np.searchsorted(total.indices, i)], None) for _, i, _ in pushes
+                id(i): (i, slots[np.searchsorted(total.indices, i)], None) for _, i, _, _ in pushes
             }
 
 

@@ -454,9 +454,9 @@ class DistStore(KVStore):
                     exc.strerror or exc,
                 )
                 continue
-            if rows:
+            if rows:  # 0 + the rows (the bits a round gives them): scattered as they are
                 region = segment.push[: piece.nbytes].view(piece.dtype).reshape(piece.shape)
-                np.copyto(region, piece)
+                np.add(piece.dtype.type(0), piece, out=region)
             else:
                 np.copyto(segment.push.view(piece.dtype), piece)
             seq = int(segment.counters[0]) + 1

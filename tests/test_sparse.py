@@ -351,7 +351,9 @@ def test_admission_candidates_age_out():
 def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
     without an optimizer, summed first with one) leaves the same bits as adding the pushes
-    in rank order and applying the sum; the rows a pushpull answers are its pushed rows,
+    in rank order and applying the sum (pushes given as ``0 +`` themselves, as a same-host
+    worker's shared segment holds them, or as pushed, -0.0 in both); the rows a pushpull
+    answers are its pushed rows,
     without an optimizer as a delta (0 + its rows, but those another push touched too).
     With a direct id map, and with the sorted index alone (as the twin); bit for bit."""
     rng = np.random.default_rng(seed)
@@ -365,7 +367,10 @@ def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
         for rank, ids in reversed(list(enumerate(pushes))):  # arrival order: any
             ids = np.unique(np.array(ids, np.int64))
             rows = rng.standard_normal((ids.size, DIM)).astype(np.float32)
-            keys.add("k", n, rank, ids, rows, sync=True)
+            rows[rng.random(rows.shape) < 0.2] = -0.0
+            normal = bool(rng.integers(2))  # as a same-host worker leaves them: 0 + rows
+            given = np.add(np.float32(0), rows) if normal else rows
+            keys.add("k", n, rank, ids, given, sync=True, normal=normal)
             values.append((rank, ids, RowSparse(ids, rows, shape)))
         keys.apply("k", False, optimizer, n + 1, 0.1)
         # the reference: 0 + each push in rank order, on a dense float32 table
@@ -414,10 +419,10 @@ def test_rows_gathered_into_a_region_are_the_rows_read(dtype, dim, pushes, pull,
     rounds = []
     for ids in pushes:
         ids = np.unique(np.array(ids, np.int64))
-        rounds.append((ids, rng.standard_normal((ids.size, dim)).astype(dtype)))
+        rounds.append((ids, rng.standard_normal((ids.size, dim)).astype(dtype), False))
     table.assign_sums(rounds)
     region = np.zeros(offset + 16 * 10 * dim * dtype.itemsize, np.uint8)[offset:]  # raw bytes
-    asked = [(ids, table.pushed_rows) for ids, _ in rounds]
+    asked = [(ids, table.pushed_rows) for ids, _, _ in rounds]
     asked.append((np.array(pull, np.int64), table.read))
     for ids, gather in asked:
         want = table.read(ids)
