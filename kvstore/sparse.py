@@ -1045,19 +1045,24 @@ class RowCollector:
     def expect(self, request: int, keys: tuple) -> None:
         self._expected[request] = keys
 
-    def pushed(self, request: int, keys: tuple, rows: list) -> None:
+    def pushed(self, request: int, keys: tuple, rows: list, normal=frozenset()) -> None:
         """The rows a push of this call sends in ``request`` (array ``2i + 1`` for key
         ``i``), while they are still in cache: each written into its place as the round
-        leaves it when no other push touches it, ``0 +`` itself. A reply then brings only
-        the rows another push touched too (a delta, :meth:`RowTable.pushed_delta`), or
-        every row (with an optimizer) written over these."""
-        for where, sent in zip(keys, rows[1::2], strict=True):
-            block, pos = self._blocks[where[0]], self._positions[where]
-            zero = block.dtype.type(0)
-            if isinstance(pos, slice):
-                np.add(zero, sent, out=block[pos])
+        leaves it when no other push touches it, ``0 +`` itself (``normal``: the array
+        indices whose rows are that already, written so into a shared segment). A reply
+        then brings only the rows another push touched too (a delta,
+        :meth:`RowTable.pushed_delta`), or every row (with an optimizer) written over these."""
+        for i, where in enumerate(keys):
+            sent, block, pos = rows[2 * i + 1], self._blocks[where[0]], self._positions[where]
+            if 2 * i + 1 in normal:
+                if isinstance(pos, slice):
+                    np.copyto(block[pos], sent)
+                else:
+                    put_rows(block, pos, sent)
+            elif isinstance(pos, slice):
+                np.add(block.dtype.type(0), sent, out=block[pos])
             else:
-                put_rows(block, pos, np.add(zero, sent))
+                put_rows(block, pos, np.add(block.dtype.type(0), sent))
         self._own.add(request)
 
     def receive(self, request: int, keys, arrays, codes=None, delta=None) -> None:

@@ -374,7 +374,7 @@ class DistStore(KVStore):
                 here = out.server not in moved  # else its parts moved: TCP, no segment
                 used = self._to_segments(out, arrays) if out.shared and here else []
                 if used:
-                    body["shm"] = [entry for _, _, entry in used]
+                    body["shm"] = [entry for _, _, entry, _ in used]
                 pulling = out.kind in _PULLING or out.body.get("pull") is True
                 pulled = self._pull_regions(out) if pulling and here else ()
                 if pulled:
@@ -391,7 +391,7 @@ class DistStore(KVStore):
                 msg = Message(out.kind, msg_id, f"worker-{self._rank}", body, arrays)
                 trackers.extend(s.tracker for s in self._transmit(out.server, msg))
                 sent_any = True
-                segments = tuple(seg for _, seg, _ in used)
+                segments = tuple(seg for _, seg, _, _ in used)
                 self._requests[msg_id] = _Request(
                     out.server,
                     out.kind,
@@ -401,14 +401,17 @@ class DistStore(KVStore):
                     msg if retain else None,
                     self._route[out.server],
                 )
-                for where, _, _ in used:
+                for where, _, _, _ in used:
                     self._shm_last[where] = msg_id
                 for i in pulled:
                     self._pull_last[out.keys[i]] = msg_id
                 if collector is not None:
                     collector.expect(msg_id, out.keys)
                     if out.kind == "sparse_push" and pulling:  # for the reply's delta
-                        collector.pushed(msg_id, out.keys, out.arrays)
+                        rows = list(out.arrays)  # those in a segment: 0 + themselves there
+                        for _, _, entry, region in used:
+                            rows[entry[0]] = region
+                        collector.pushed(msg_id, out.keys, rows, {e[0] for _, _, e, _ in used})
                 ids.append(msg_id)
                 kept.extend(out.residuals)
         except BaseException as exc:
@@ -426,9 +429,10 @@ class DistStore(KVStore):
 
     def _to_segments(self, out: Outgoing, arrays: list) -> list:
         """Move the big slices of ``out`` into their shared segments, where that is possible
-        now: ``[((key, part), segment, body entry)]``; the rest go through TCP. A dense
-        part's entry is ``[array index, segment, sequence]``; a ``sparse_push``'s rows (array
-        ``2i + 1``: key ``i``) add the segment's size, which grows with the rows pushed."""
+        now: ``[((key, part), segment, body entry, region written)]``; the rest go through
+        TCP. A dense part's entry is ``[array index, segment, sequence]``; a
+        ``sparse_push``'s rows (array ``2i + 1``: key ``i``) add the segment's size, which
+        grows with the rows pushed, and are written as ``0 +`` themselves."""
         used = []
         rows = out.kind == "sparse_push"
         for index in out.shared:
@@ -458,12 +462,13 @@ class DistStore(KVStore):
                 region = segment.push[: piece.nbytes].view(piece.dtype).reshape(piece.shape)
                 np.add(piece.dtype.type(0), piece, out=region)
             else:
-                np.copyto(segment.push.view(piece.dtype), piece)
+                region = segment.push.view(piece.dtype)[: piece.size]
+                np.copyto(region, piece)
             seq = int(segment.counters[0]) + 1
             segment.counters[0] = seq
             arrays[index] = piece[:0]  # the dtype travels, the bytes do not
             entry = [index, segment.name, seq] + ([segment.nbytes] if rows else [])
-            used.append((where, segment, entry))
+            used.append((where, segment, entry, region))
         return used
 
     def _row_segment(self, where: tuple, nbytes: int) -> shm.Segment | None:
