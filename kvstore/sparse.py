@@ -806,7 +806,7 @@ class SparseKeys:
         if sync:
             self.pending[where].setdefault(round_, []).append((rank, ids, rows, normal))
         else:
-            self.arrivals[where].append((ids, rows))
+            self.arrivals[where].append((ids, rows, normal))
 
     def apply(self, where, accumulate: bool, optimizer=None, t: int = 1, lr: float = 0.0):
         """Apply the round now complete (with ``accumulate``: the next async push): the
@@ -815,7 +815,9 @@ class SparseKeys:
         ``0 + a + b``, the same bits as the sum."""
         table = self.tables[where]
         if accumulate:
-            ids, rows = self.arrivals[where].pop(0)
+            ids, rows, normal = self.arrivals[where].pop(0)
+            if not normal:  # 0 + rows, as a shared segment's: the same bits on either path
+                rows = np.add(rows.dtype.type(0), rows)
             table.apply(ids, rows, optimizer, t, lr, accumulate=True)
             return
         pushes = self.pending[where].pop(self.rounds_done[where], [])

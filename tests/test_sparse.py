@@ -696,7 +696,8 @@ def test_a_row_reply_delta_is_checked():
 def test_negative_zero_is_the_same_on_every_path():
     """A round's rows are the bits of 0 + a + b (no optimizer): a pushed -0.0 becomes 0.0
     whether or not another worker pushed in the round, with admission or without, and in a
-    local store (review: the one-push path of sum_rows kept -0.0)."""
+    local store (review: the one-push path of sum_rows kept -0.0); an async push adds
+    0 + its rows, through a shared segment or not."""
     import kvstore
 
     def server(admit_after, other_rows):
@@ -710,7 +711,17 @@ def test_negative_zero_is_the_same_on_every_path():
             keys.apply("e", False)
         return bool(np.signbit(keys.tables["e"].read(np.array([3]))[0, 0]))
 
+    def async_push(normal):  # a row at -0.0 (its init), an async push of -0.0 to it
+        keys = sparse.SparseKeys()
+        keys.add_key("e", 10, 1, np.float32, sparse.constant(-0.0))
+        rows = np.array([[-0.0]], np.float32)
+        given = np.add(np.float32(0), rows) if normal else rows  # a shared segment's: 0 +
+        keys.add("e", 0, 0, np.array([3]), given, False, normal)
+        keys.apply("e", True)
+        return bool(np.signbit(keys.tables["e"].read(np.array([3]))[0, 0]))
+
     got = {(a, o): server(a, o) for a in (1, 2) for o in (False, True)}
+    got.update({("async", normal): async_push(normal) for normal in (False, True)})
     kv = kvstore.create("local")
     shape = (10, 1)
     kv.init("e", RowSparse.empty(shape, np.float32))
