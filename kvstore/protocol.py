@@ -432,5 +432,8 @@ def _plain_dtype(kind: str, name: str) -> np.dtype:
     return dtype
 
 
-def error_reply(request: Message, sender: str, text: str) -> Message:
-    return Message("error", request.id, sender, {"message": text})
+def error_reply(request: Message, sender: str, text: str, unchanged: bool = False) -> Message:
+    """``unchanged``: every server refuses this request alike, before it changes anything (no
+    optimizer to load states into): the refusal leaves the servers in step."""
+    body = {"message": text, "unchanged": True} if unchanged else {"message": text}
+    return Message("error", request.id, sender, body)

@@ -44,6 +44,13 @@ from .sparse import SparseKeys, bounds_of, check_init, check_optimizer, dump_sta
 
 log = logging.getLogger("kvstore.server")
 
+
+class Unchanged(ValueError):
+    """A refusal that every server gives alike, before the request changes anything: the
+    worker's store stays usable (its other refusals of a push, an init, an optimizer leave
+    the servers apart, and fail it)."""
+
+
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
 _SERVER_ID = re.compile(rb"server-(0|[1-9][0-9]{0,8})")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
@@ -111,6 +118,10 @@ class Server:
         )
         self.updater: opt.Updater | None = None
         self.optimizer_spec: dict | None = None
+        # set_optimizer call by call: per call (each worker's n-th), the first spec and who
+        # set it; per worker, the calls it made (kvstore.server.Server._on_optimizer)
+        self._optimizer_calls: list[tuple] = []
+        self._optimizer_count: dict[int, int] = {}
         self.rank = -1
         self.name = "server"
         self._lost: set[bytes] = set()  # peers told once that they lose replies
@@ -367,9 +378,9 @@ class Server:
                     busy[:] = [b for b in busy if not b.done]
                     busy.append(s)
 
-    def _error(self, identity: bytes, request: Message, text: str) -> None:
+    def _error(self, identity: bytes, request: Message, text: str, unchanged=False) -> None:
         log.warning("%s: %s", self.name, text)
-        self._send(identity, error_reply(request, self.name, f"{self.name}: {text}"))
+        self._send(identity, error_reply(request, self.name, f"{self.name}: {text}", unchanged))
 
     def _reply(self, req: Request) -> None:
         if req.msg.kind.startswith("sparse_"):
@@ -574,6 +585,8 @@ class Server:
             handler(identity, rank, msg)
         except auth.Refused as exc:  # a stranger's: logged once per host (Gate.refuse)
             self._send(identity, error_reply(msg, self.name, f"{self.name}: {exc}"))
+        except Unchanged as exc:
+            self._error(identity, msg, f"{msg.kind} refused: {exc}", unchanged=True)
         except (ValueError, TypeError, KeyError) as exc:
             self._error(identity, msg, f"{msg.kind} refused: {exc}")
         except Exception as exc:  # a server never dies of one bad request
@@ -621,6 +634,11 @@ class Server:
         if not unique <= self.stored.keys() or (passive and not unique.isdisjoint(passive)):
             for key in keys:
                 if key not in self.stored:
+                    if key in self.rows.tables:
+                        raise KeyError(
+                            f"key {_show(key)} is a row-sparse key here, but this request is "
+                            "a dense key's: did every worker init it the same way?"
+                        )
                     raise KeyError(f"key {_show(key)} was never initialised on this server")
                 if passive and key in passive:
                     raise KeyError(
@@ -835,14 +853,36 @@ class Server:
         self._execute(self.rounds.pull(request, rank, keys, _staleness(msg), flush))
 
     def _on_optimizer(self, identity, rank, msg) -> None:
-        """Every worker sends its optimizer; the first installs it, the same spec again keeps
-        the state it has gathered, a different one replaces it (as in MXNet)."""
+        """Every worker sends its optimizer, call by call (a worker's n-th ``set_optimizer``
+        is call n): the first of a call installs it, or replaces a different one (MXNet's
+        way to change a schedule by hand), and the same spec again keeps the state gathered.
+        Another worker's different spec in the same call is refused: the servers would keep
+        whichever came last, each its own (a worker's ``rescale_grad`` from its own shard).
+        A worker that joined a running elastic job (``keep``) sets the job's latest one."""
         spec = msg.body["spec"]
-        if msg.body.get("keep") is True and self.optimizer_spec not in (None, spec):
-            raise ValueError(
-                f"a worker that joined the running (elastic) job sets the optimizer {spec!r:.120}, "
-                f"but the job's is {self.optimizer_spec!r:.120}: every worker must set the same"
-            )
+        n = self._optimizer_count.get(rank, 0)
+        if msg.body.get("keep") is True:
+            if self.optimizer_spec not in (None, spec):
+                raise ValueError(
+                    f"a worker that joined the running (elastic) job sets the optimizer "
+                    f"{spec!r:.120}, but the job's is {self.optimizer_spec!r:.120}: every "
+                    "worker must set the same"
+                )
+            n = max(n, len(self._optimizer_calls) - 1)  # its call is the job's latest
+        if n < len(self._optimizer_calls):
+            first, by = self._optimizer_calls[n]
+            if spec != first:
+                raise ValueError(
+                    f"worker {rank} sets the optimizer {spec!r:.120}, but worker {by} set "
+                    f"{first!r:.120} in the same call (set_optimizer number {n + 1} of each): "
+                    "every worker must set the same optimizer (compute rescale_grad and the "
+                    "learning rate alike on every worker)"
+                )
+            self._optimizer_count[rank] = n + 1
+            self._send(identity, Message("ack", msg.id, self.name))
+            return
+        self._optimizer_count[rank] = n + 1
+        self._optimizer_calls.append((spec, rank))
         if spec != self.optimizer_spec:
             self.updater = opt.Updater(opt.from_spec(spec))
             self.optimizer_spec = spec
@@ -867,8 +907,10 @@ class Server:
             self._send(identity, Message("ack", msg.id, self.name))
         elif name == "set_states":
             updater = self._updater_for(msg)
-            if updater is None or len(msg.arrays) != 1:
-                raise ValueError("set_states needs an optimizer and one state blob")
+            if updater is None:  # so on every server: set_optimizer reaches them all
+                raise Unchanged("no optimizer is set on the servers; call set_optimizer first")
+            if len(msg.arrays) != 1:
+                raise ValueError("set_states needs one state blob")
             load_states(updater, self.rows.tables, msg.arrays[0].tobytes())
             self._send(identity, Message("ack", msg.id, self.name))
         elif name == "stats":  # kv.server_stats(): memory, and the row-sparse keys' rows
@@ -1152,6 +1194,11 @@ class Server:
             raise ValueError(f"sparse_rows: one key per request, got {len(keys)}")
         for key in keys:
             if key not in self.rows.tables:
+                if key in self.stored:
+                    raise KeyError(
+                        f"key {_show(key)} is a dense key here, but this request is a "
+                        "row-sparse key's: did every worker init it the same way?"
+                    )
                 raise KeyError(f"row-sparse key {_show(key)} was never initialised on this server")
         if len(set(keys)) != len(keys):
             raise ValueError("a key appears twice in one request")
@@ -1171,7 +1218,8 @@ class Server:
         if ids.size:
             if ids[0] < 0 or ids[-1] >= nrows or (ids.size > 1 and not (ids[1:] > ids[:-1]).all()):
                 raise ValueError(
-                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows})"
+                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows}) "
+                    f"(the key's {nrows} rows: did every worker init it with that shape?)"
                 )
             servers = self.cfg.num_server
             if owned is not None:  # sorted: the first and the last say it

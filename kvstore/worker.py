@@ -252,6 +252,7 @@ class DistStore(KVStore):
         self._optimizer: Optimizer | None = None
         self._segments = shm.WorkerSegments(self._rank)
         self._shm_last: dict = {}  # (key, part) -> the last push that used its segment
+        self._refused: dict = {}  # request id -> the error of a refusal every server gives
         self._pull_last: dict = {}  # (key, part) -> the last request answered through it
         self._no_segment: set = set()  # parts whose segment /dev/shm had no room for
         self._planner.set_shm_servers(self._hello())
@@ -528,12 +529,16 @@ class DistStore(KVStore):
         peers this call waits for are alive but slow."""
         self._check_alive()
         waiting = set(self._requests) if ids is None else set(ids)
+        asked = tuple(waiting)
         deadline = time.monotonic() + self.cfg.request_timeout
         trackers = list(trackers)
         while True:
             waiting &= self._requests.keys()
             trackers = [t for t in trackers if not t.done]
             if not waiting and not trackers and (answer is None or answer in self._answers):
+                refused = [self._refused.pop(i) for i in asked if i in self._refused]
+                if refused:
+                    raise refused[0]
                 return self._answers.pop(answer) if answer is not None else None
             left = deadline - time.monotonic()
             if left <= 0:
@@ -669,6 +674,9 @@ class DistStore(KVStore):
             kind = PeerLostError if msg.body.get("lost") is True else KVStoreError
             text = f"{what}: {msg.body['message']}"
             self._drop(request.collector, f"{request.kind}: {msg.body['message']}")
+            if msg.body.get("unchanged") is True:  # every server refuses it alike: raised
+                self._refused[msg.id] = kind(text)  # once the call's other answers are in
+                return
             if request.kind in _MUTATING:
                 self._fail(
                     f"{text} (this worker's {request.kind} was refused by one server after "

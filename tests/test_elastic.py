@@ -696,6 +696,7 @@ def test_a_newcomer_cannot_replace_the_jobs_optimizer():
     s.sent = []
     s._send = lambda identity, msg, keys=None, track=True: s.sent.append(msg)
     s.cfg = SimpleNamespace(verbose=0)
+    s._optimizer_calls, s._optimizer_count = [], {}
     sgd = opt.create("sgd", learning_rate=0.1, momentum=0.9).spec()
     adam = opt.create("adam", learning_rate=0.01).spec()
     s._on_optimizer(b"worker-0", 0, Message("optimizer", 1, "w", {"spec": sgd}))
@@ -711,6 +712,20 @@ def test_a_newcomer_cannot_replace_the_jobs_optimizer():
     assert s.updater is kept
     s._on_optimizer(b"worker-0", 0, Message("optimizer", 4, "w", {"spec": adam}))
     assert s.updater is not kept
+    replaced = s.updater
+    # worker 2's first call is the job's first: sgd, not adam (each worker's n-th call
+    # must set what the others' n-th set); its calls that match change nothing, and the
+    # old sgd does not come back
+    try:
+        s._on_optimizer(b"worker-2", 2, Message("optimizer", 5, "w", {"spec": adam}))
+    except ValueError as exc:
+        assert "in the same call (set_optimizer number 1 of each)" in str(exc), exc
+    else:
+        raise AssertionError("another worker's different first optimizer was taken")
+    s._on_optimizer(b"worker-2", 2, Message("optimizer", 6, "w", {"spec": sgd}))  # call 1
+    assert s.updater is replaced
+    s._on_optimizer(b"worker-2", 2, Message("optimizer", 7, "w", {"spec": adam}))  # call 2
+    assert s.updater is replaced
 
 
 def test_regression_a_newcomer_mid_round_in_arrival_order():

@@ -182,3 +182,38 @@ def test_optimizer_states_of_several_mib_are_saved_and_loaded(cluster):
     for name in ("server0", "server1"):
         log = c.output(name)
         assert "refused" not in log and "TypeError" not in log, log
+
+
+def test_loading_optimizer_states_before_set_optimizer_is_refused_and_the_job_goes_on(cluster):
+    """Every server refuses it alike (no optimizer yet), so the store is not failed: the
+    worker sets the optimizer and trains on (a user's report: the job used to end with
+    "the servers' rounds differ")."""
+    c = cluster(2, 2)
+    outs = c.run_workers("optimizer_misuse.py", ["load-first", str(c.tmp / "states")])
+    for out in outs:
+        assert "REFUSED" in out and "call set_optimizer first" in out, out
+        assert "OK -1.0" in out, out
+
+
+def test_workers_setting_different_optimizers_are_told_never_left_to_timing(cluster):
+    """Each worker sets its own learning rate: without the check the servers kept whichever
+    came last, and could differ from each other (a user's report: six runs, four results).
+    Now a server refuses the one that differs from the first it got of that call, so at least
+    one worker hears it, every time."""
+    for _ in range(3):
+        c = cluster(2, 2)
+        outs = c.run_workers("optimizer_misuse.py", ["different"])
+        refused = [o for o in outs if "REFUSED" in o]
+        assert refused, outs
+        for out in refused:
+            assert "every worker must set the same optimizer" in out, out
+        c.stop()
+
+
+def test_an_optimizer_changed_by_every_worker_replaces_the_old_one(cluster):
+    """MXNet's way of changing the schedule by hand: every worker sets another optimizer.
+    The new one replaces the old for every round after it; the last worker to set it
+    changes nothing."""
+    c = cluster(2, 2)
+    outs = c.run_workers("optimizer_misuse.py", ["changed"])
+    assert all("OK -2.0" in o for o in outs), outs
