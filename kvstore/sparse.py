@@ -73,7 +73,7 @@ class RowSparse:
             raise ValueError(f"RowSparse: indices must be 1-D, got shape {ids.shape}")
         if ids.dtype.kind not in "iu":
             if ids.dtype.kind == "f" and np.all(ids == np.floor(ids)):  # MXNet passes floats
-                ids = ids.astype(np.int64)
+                ids = _float_ids(ids, rows, "RowSparse: row id")
             else:
                 raise TypeError(f"RowSparse: indices must be integers, got {ids.dtype}")
         block = np.asarray(to_host(data))
@@ -231,6 +231,15 @@ def _from_coo(rows, cols, values, shape) -> RowSparse:
     data = np.zeros((ids.size, int(shape[1])), np.asarray(values).dtype)
     np.add.at(data, (inverse, np.asarray(cols, np.int64)), values)
     return RowSparse(ids, data, shape)
+
+
+def _float_ids(ids: np.ndarray, rows: int, what: str) -> np.ndarray:
+    """Whole-number float ids as int64, once they are in ``[0, rows)`` (an inf or 1e30 would
+    cast to some other id): a ``ValueError`` naming the first one outside."""
+    bad = ~((ids >= 0) & (ids < rows))  # (NaN is not whole: refused before)
+    if bad.any():
+        raise ValueError(f"{what} {float(ids[bad][0]):g} is outside [0, {rows})")
+    return ids.astype(np.int64)
 
 
 def _increasing(ids: np.ndarray) -> bool:
@@ -890,6 +899,7 @@ def check_ids(what: str, key, ids, rows: int) -> np.ndarray:
     if ids.dtype.kind not in "iu":
         if ids.dtype.kind != "f" or not np.all(ids == np.floor(ids)):
             raise TypeError(f"{what}(key={key!r}): row ids must be integers, got {ids.dtype}")
+        ids = _float_ids(ids, rows, f"{what}(key={key!r}): row id")
     low, high = ids.min(), ids.max()
     if low < 0 or high >= rows:
         bad = low if low < 0 else high

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import optimizer as opt
-from .arrays import copy_into, device_id, is_array, namespace, reduce_sum, to_host
+from .arrays import copy_into, device_id, is_array, namespace, reduce_sum
 from .compression import Compression, PullCodes
 from .protocol import internal
 from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
@@ -103,6 +103,13 @@ def _as_list(value, what: str, key, role: str = "value") -> list:
     if not items:
         raise ValueError(f"{what}(key={key!r}): empty list of arrays")
     for a in items:
+        if isinstance(a, RowSparse):
+            give = "value.to_dense()" if role == "value" else "an array of the key's shape"
+            raise TypeError(
+                f"{what}(key={key!r}): {'' if role == 'value' else f'{role}: '}a "
+                "kvstore.RowSparse goes only with a row-sparse key (one initialised with a "
+                f"RowSparse); this key is dense: give {give}"
+            )
         if not is_array(a):
             got = "None" if a is None else type(a).__name__
             name = "" if role == "value" else f"{role}: "
@@ -127,8 +134,10 @@ def _holds_rows(value) -> bool:
 
 
 def _is_id_list(value) -> bool:
-    """A plain list of ints is one set of row ids, not one per output."""
-    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+    """A plain list of numbers is one set of row ids, not one per output (whole floats are
+    ids too, as MXNet's float id arrays are; check_ids refuses the others)."""
+    kinds = (int, float, np.integer, np.floating)
+    return all(isinstance(v, kinds) and not isinstance(v, bool) for v in value)
 
 
 class KVStore:
@@ -234,6 +243,8 @@ class KVStore:
         no_values, no_outs = values is _ABSENT, outs is _ABSENT
         for key, v, o in zip(norm, per_key["values"], per_key["out"], strict=True):
             meta = meta_of.get(key) if need_init else None
+            if need_init and meta is None:  # (before the values: a RowSparse's message)
+                raise KeyError(f"{what}(key={key!r}): key was never initialised; call init first")
             # the common case at once (what _arrays takes first): one host array of the key's
             # own shape and dtype
             if meta is not None and type(v) is ndarray and v.dtype == meta.dtype:
@@ -244,8 +255,6 @@ class KVStore:
                 wanted = [o] if o.shape == meta.shape else arrays(o, meta, what, key, "out")
             else:
                 wanted = [] if no_outs else arrays(o, meta, what, key, "out")
-            if need_init and meta is None:
-                raise KeyError(f"{what}(key={key!r}): key was never initialised; call init first")
             items.append(Item(key, given, wanted))
         return items
 
@@ -488,7 +497,8 @@ class KVStore:
             full.append(namespace(item.outs[0]).empty(meta.shape, meta.dtype))
         self.pull([item.key for item in items], out=full, priority=priority)
         for item, value, ids in zip(items, full, per_key, strict=True):
-            id_list = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+            plain = isinstance(ids, (list, tuple)) and not _is_id_list(ids)
+            id_list = list(ids) if plain else [ids]
             if len(id_list) == 1:
                 id_list = id_list * len(item.outs)
             if len(id_list) != len(item.outs):
@@ -497,16 +507,7 @@ class KVStore:
                     f"{len(item.outs)} outputs; give one, or one per output"
                 )
             for target, rows in zip(item.outs, id_list, strict=True):
-                rows = np.asarray(to_host(rows)).ravel()
-                if rows.size and (rows.dtype.kind not in "iu" and not np.all(rows == rows // 1)):
-                    raise TypeError(f"row_sparse_pull(key={item.key!r}): row ids must be ints")
-                rows = rows.astype(np.int64)
-                n = value.shape[0]
-                if rows.size and (rows.min() < 0 or rows.max() >= n):
-                    raise ValueError(
-                        f"row_sparse_pull(key={item.key!r}): row ids must be in [0, {n}), "
-                        f"got {rows.min()}..{rows.max()}"
-                    )
+                rows = check_ids("row_sparse_pull", item.key, rows, value.shape[0])
                 xp = namespace(target)
                 index = xp.asarray(np.unique(rows))
                 target[...] = 0

@@ -741,3 +741,43 @@ def test_pushpull_async_refuses_a_row_sparse_key_saying_what_to_use():
     for value in (RowSparse([1], np.ones((1, 2), np.float32), shape), np.ones(shape, np.float32)):
         with pytest.raises(TypeError, match="row-sparse key, which it does not take; use pushpull"):
             kv.pushpull_async("e", value)
+
+
+def test_a_rowsparse_with_a_dense_or_unknown_key_and_float_ids_say_what_is_wrong():
+    """A user's report: a RowSparse pushed to a dense key, or given as the out of one, said
+    "expected a NumPy or CuPy array", and on a key never initialised the same, not that the
+    key was never initialised; a Python list of float ids was taken for one list per
+    output; an id of 1e30 or inf was cast to some other id (with NumPy's warning)."""
+    import warnings
+
+    import kvstore
+
+    kv = kvstore.create("local")
+    shape = (10, 2)
+    value = RowSparse([1], np.ones((1, 2), np.float32), shape)
+    out = RowSparse.empty(shape, np.float32)
+    dense = np.arange(20, dtype=np.float32).reshape(shape)
+    kv.init("d", dense)
+    for call in (lambda: kv.push("u", value), lambda: kv.pull("u", out=out)):
+        with pytest.raises(KeyError, match="key was never initialised; call init first"):
+            call()
+    with pytest.raises(TypeError, match="this key is dense: give value.to_dense()"):
+        kv.push("d", value)
+    for call in (
+        lambda: kv.pull("d", out=out),
+        lambda: kv.row_sparse_pull("d", out=out, row_ids=[1]),
+    ):
+        with pytest.raises(TypeError, match="this key is dense: give an array of the key's"):
+            call()
+    got = np.full(shape, -1, np.float32)
+    kv.row_sparse_pull("d", out=got, row_ids=[5.0, 1.0])  # one set of ids, as MXNet's floats
+    want = np.zeros(shape, np.float32)
+    want[[1, 5]] = dense[[1, 5]]
+    np.testing.assert_array_equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no cast warning: refused before
+        for bad in (1e30, np.inf, -1.0):
+            with pytest.raises(ValueError, match="outside"):
+                RowSparse(np.array([bad]), np.ones((1, 2), np.float32), shape)
+            with pytest.raises(ValueError, match="outside"):
+                kv.row_sparse_pull("d", out=got, row_ids=np.array([bad]))

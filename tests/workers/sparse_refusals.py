@@ -1,8 +1,9 @@
 """A server refuses bad row-sparse requests, saying why, and serves on.
 
 The worker sends raw ``sparse_pull`` requests (not mutating: a refusal does not fail the
-store) with ids unsorted, out of range, of the other server and of the wrong dtype; each is
-refused with its reason, then a normal pushpull still works. Then save_optimizer_states
+store) with ids unsorted, out of range, of the other server and of the wrong dtype, and
+requests of the other kind of key; each is refused with its reason, then a normal pushpull
+still works. Then save_optimizer_states
 and load_optimizer_states carry a row-sparse key's Adam state through two servers.
 """
 
@@ -42,6 +43,19 @@ for key, bad, reason in cases:
         assert reason in str(exc) and "sparse_pull refused" in str(exc), exc
     else:
         raise AssertionError(f"{bad} was not refused")
+# a request of the other kind of key (a worker that initialised the key otherwise than
+# rank 0, whose init the servers took): it says so, not "never initialised"
+kv.init("dense", np.zeros(4, np.float32))
+said = []
+for server in range(2):
+    for kind, key, arrays in (("pull", ["e", server], []), ("sparse_pull", ["dense", 0], [mine])):
+        request = kv._send(server, kind, {"keys": [key]}, arrays)  # (dense: part 0, one home)
+        try:
+            kv._wait(f"raw {kind}", [request])
+        except KVStoreError as exc:
+            said.append(str(exc))
+assert any("is a row-sparse key here, but this request is a dense key's" in x for x in said), said
+assert any("is a dense key here, but this request is a row-sparse key's" in x for x in said), said
 g = RowSparse([3, 50], np.ones((2, 2), np.float32), shape)
 kv.pushpull("e", g)
 assert g.data.tolist() == [[1, 1], [1, 1]], g.data
