@@ -151,7 +151,7 @@ def _alive(pid):
         return f.read().split(") ")[1][0] != "Z"
 
 
-def _interrupt_after_rounds(args, cwd=ROOT):
+def _interrupt_after_rounds(args, cwd=ROOT, sig=signal.SIGINT):
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), *map(str, args)],
         cwd=cwd,
@@ -164,14 +164,22 @@ def _interrupt_after_rounds(args, cwd=ROOT):
         lines.append(line)
         if "round 10" in line:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=30)
     return proc.returncode, "".join(lines) + rest
 
 
-def test_ctrl_c_stops_every_process():
-    code, out = _interrupt_after_rounds(["-n", "2", "-s", "1", sys.executable, LOOP, 100000])
-    assert code == 130 and "interrupted; stopping every process" in out
+@pytest.mark.parametrize(
+    "sig,code_said",
+    [(signal.SIGINT, (130, "interrupted")), (signal.SIGTERM, (143, "terminated"))],
+)
+def test_ctrl_c_stops_every_process(sig, code_said):
+    """Ctrl-C exits 130, a SIGTERM (a scheduler's stop) 143, as a shell would say."""
+    code, out = _interrupt_after_rounds(
+        ["-n", "2", "-s", "1", sys.executable, LOOP, 100000], sig=sig
+    )
+    assert code == code_said[0], out
+    assert f"{code_said[1]}; stopping every process" in out, out
     pids = _pids(out)
     assert len(pids) == 2 and not any(_alive(p) for p in pids), out
 

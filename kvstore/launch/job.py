@@ -203,10 +203,11 @@ class Supervisor:
                     grace_end = time.monotonic() + self.after_workers_grace
             self._drain()
             return self._aside_status(aside)
-        except KeyboardInterrupt:
-            self.say("interrupted; stopping every process")
+        except KeyboardInterrupt as exc:  # Ctrl-C: 130; SIGTERM: 143, as a shell says
+            terminated = isinstance(exc, _Terminated)
+            self.say(f"{'terminated' if terminated else 'interrupted'}; stopping every process")
             self.stop()
-            return 130
+            return 143 if terminated else 130
         finally:
             signal.signal(signal.SIGTERM, previous)
 
@@ -349,8 +350,12 @@ class Supervisor:
             reader.join(2)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher: it stops the job as on Ctrl-C, and exits 128 + 15."""
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 def _signal_group(popen: subprocess.Popen, sig) -> None:
