@@ -45,6 +45,18 @@ from .sparse import SparseKeys, bounds_of, check_init, check_optimizer, dump_sta
 log = logging.getLogger("kvstore.server")
 
 
+def _spec_difference(mine, first) -> str:
+    """What differs between two optimizer specs, for an error: the name, or the params."""
+    if not (isinstance(mine, dict) and isinstance(first, dict)) or (
+        mine.get("name") != first.get("name")
+    ):
+        return f"{mine!r:.100} against {first!r:.100}"
+    a, b = mine.get("params") or {}, first.get("params") or {}
+    names = sorted((k for k in set(a) | set(b) if a.get(k) != b.get(k)), key=str)
+    differ = ", ".join(f"{k}={a.get(k)!r} against {b.get(k)!r}" for k in names)
+    return f"{mine.get('name')} with {differ[:200]}"
+
+
 class Unchanged(ValueError):
     """A refusal that every server gives alike, before the request changes anything: the
     worker's store stays usable (its other refusals of a push, an init, an optimizer leave
@@ -366,8 +378,15 @@ class Server:
                     identity,
                 )
             return
-        except zmq.ZMQError as exc:
-            log.warning("%s: reply to %r lost: %s", self.name, identity, exc.strerror)
+        except zmq.ZMQError as exc:  # (EHOSTUNREACH: its connection closed; said once)
+            if identity not in self._lost:
+                self._lost.add(identity)
+                log.info(
+                    "%s: no route to %s (%s): its replies are dropped",
+                    self.name,
+                    identity.decode(errors="replace"),
+                    exc.strerror,
+                )
             return
         for s in sent:  # a reply of stored arrays: updates must not write into them
             if keys is not None and keys[s.array] is not None:
@@ -873,9 +892,9 @@ class Server:
             first, by = self._optimizer_calls[n]
             if spec != first:
                 raise ValueError(
-                    f"worker {rank} sets the optimizer {spec!r:.120}, but worker {by} set "
-                    f"{first!r:.120} in the same call (set_optimizer number {n + 1} of each): "
-                    "every worker must set the same optimizer (compute rescale_grad and the "
+                    f"worker {rank} sets another optimizer than worker {by} did in the same "
+                    f"call (set_optimizer number {n + 1} of each): {_spec_difference(spec, first)}"
+                    "; every worker must set the same optimizer (compute rescale_grad and the "
                     "learning rate alike on every worker)"
                 )
             self._optimizer_count[rank] = n + 1

@@ -320,10 +320,15 @@ class Supervisor:
                 failed.append(proc)
         # A process that the others name as failed ("worker 1 (host pid N) failed: ...") is
         # the cause: say it first.
+        # Their last output is the cause's message passed on: said once, with the cause.
         causes = [p for p in failed if _named_by_others(p, failed)]
         failed = causes + [p for p in failed if p not in causes]
         for proc in failed:
-            self.say(f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{_tail(proc)}")
+            if causes and proc not in causes and _names_any(proc, causes):
+                tail = f" (passing on {causes[0].name}'s failure)"
+            else:
+                tail = _tail(proc)
+            self.say(f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{tail}")
         self.say("stopping the other processes")
         return next((p for p in failed if p.popen.returncode != EXIT_PEER_LOST), failed[0])
 
@@ -380,6 +385,15 @@ def _describe(code: int) -> str:
 
 def _tail(proc: Proc) -> str:
     return f" (last output: {proc.last_lines[-1]!r})" if proc.last_lines else ""
+
+
+def _names_any(proc: Proc, causes: list) -> bool:
+    """Whether ``proc``'s last output passes on one of ``causes``' failures."""
+    return any(
+        re.search(rf"\b{re.escape(c.name)} \([^)]*\) failed", line)
+        for c in causes
+        for line in proc.last_lines[-1:]
+    )
 
 
 def _named_by_others(proc: Proc, failed: list) -> bool:
