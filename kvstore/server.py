@@ -285,6 +285,8 @@ class Server:
         for rank in (left, joined):
             if type(rank) is int and 0 <= rank < self.num_workers:
                 self._proved.pop(rank, None)  # the slot's connection proves itself again
+                self._optimizer_count.pop(rank, None)  # its next holder counts its own calls
+                self._lost.discard(f"worker-{rank}".encode())
                 for where in [w for w in self._shm_of if w[0] == rank]:
                     del self._shm_of[where]
         if type(left) is int and 0 <= left < self.num_workers:
@@ -877,17 +879,20 @@ class Server:
         way to change a schedule by hand), and the same spec again keeps the state gathered.
         Another worker's different spec in the same call is refused: the servers would keep
         whichever came last, each its own (a worker's ``rescale_grad`` from its own shard).
-        A worker that joined a running elastic job (``keep``) sets the job's latest one."""
+        A worker that joined a running elastic job (``keep``, its first call) sets one the
+        job has set, the latest or an earlier one (MXNet sets one in two calls: the spec,
+        then multi-precision), and goes on from that call; it never replaces the job's."""
         spec = msg.body["spec"]
         n = self._optimizer_count.get(rank, 0)
-        if msg.body.get("keep") is True:
-            if self.optimizer_spec not in (None, spec):
+        if msg.body.get("keep") is True and self._optimizer_calls:
+            same = [i for i, (s, _) in enumerate(self._optimizer_calls) if s == spec]
+            if not same:
                 raise ValueError(
                     f"a worker that joined the running (elastic) job sets the optimizer "
                     f"{spec!r:.120}, but the job's is {self.optimizer_spec!r:.120}: every "
                     "worker must set the same"
                 )
-            n = max(n, len(self._optimizer_calls) - 1)  # its call is the job's latest
+            n = same[-1]
         if n < len(self._optimizer_calls):
             first, by = self._optimizer_calls[n]
             if spec != first:
@@ -1236,9 +1241,13 @@ class Server:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
         if ids.size:
             if ids[0] < 0 or ids[-1] >= nrows or (ids.size > 1 and not (ids[1:] > ids[:-1]).all()):
+                hint = (
+                    f" (the key's {nrows} rows: did every worker init it with that shape?)"
+                    if ids[0] < 0 or ids[-1] >= nrows
+                    else ""
+                )
                 raise ValueError(
-                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows}) "
-                    f"(the key's {nrows} rows: did every worker init it with that shape?)"
+                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows}){hint}"
                 )
             servers = self.cfg.num_server
             if owned is not None:  # sorted: the first and the last say it

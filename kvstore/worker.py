@@ -253,6 +253,7 @@ class DistStore(KVStore):
         self._segments = shm.WorkerSegments(self._rank)
         self._shm_last: dict = {}  # (key, part) -> the last push that used its segment
         self._refused: dict = {}  # request id -> the error of a refusal every server gives
+        self._optimizer_sent = False  # an elastic newcomer's first set_optimizer keeps the job's
         self._pull_last: dict = {}  # (key, part) -> the last request answered through it
         self._no_segment: set = set()  # parts whose segment /dev/shm had no room for
         self._planner.set_shm_servers(self._hello())
@@ -530,14 +531,26 @@ class DistStore(KVStore):
         self._check_alive()
         waiting = set(self._requests) if ids is None else set(ids)
         asked = tuple(waiting)
+        try:
+            return self._wait_for(what, waiting, trackers, answer, asked)
+        finally:
+            for i in asked:
+                self._refused.pop(i, None)
+
+    def _wait_for(self, what, waiting: set, trackers, answer, asked: tuple) -> Message | None:
         deadline = time.monotonic() + self.cfg.request_timeout
         trackers = list(trackers)
         while True:
             waiting &= self._requests.keys()
             trackers = [t for t in trackers if not t.done]
             if not waiting and not trackers and (answer is None or answer in self._answers):
-                refused = [self._refused.pop(i) for i in asked if i in self._refused]
-                if refused:
+                refused = [self._refused[i] for i in asked if i in self._refused]
+                if refused and len(refused) < len(asked):  # taken by some servers: apart
+                    text = f"{refused[0]} (other servers took it: the servers now differ)"
+                    kind = type(refused[0])
+                    self._fail(f"{text}; the store takes no more calls: restart the job", kind)
+                    raise type(refused[0])(text)
+                if refused:  # every server refused it: nothing changed
                     raise refused[0]
                 return self._answers.pop(answer) if answer is not None else None
             left = deadline - time.monotonic()
@@ -1085,7 +1098,9 @@ class DistStore(KVStore):
         live = [s for s in range(len(self._servers)) if s not in self._dead]
         # a newcomer to an elastic job keeps the job's optimizer (and its state): another
         # spec is refused, not installed in its place
-        body = {"spec": spec, "keep": True} if self._late else {"spec": spec}
+        first = self._late and not self._optimizer_sent  # (its later calls count as any)
+        body = {"spec": spec, "keep": True} if first else {"spec": spec}
+        self._optimizer_sent = True
         ids = [self._send(s, "optimizer", body) for s in live]
         self._wait("set_optimizer", ids)
 

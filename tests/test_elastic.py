@@ -935,3 +935,48 @@ def test_regression_a_slot_s_next_holder_is_not_taken_for_its_predecessor():
     r.arrive(2, 3)
     assert _sums(r.push("1", 1, [("A", one)], True, 0.0)) == [3.0]
     assert r.entered == {}
+
+
+def test_optimizer_calls_of_a_slot_s_next_holder_and_of_mxnet_s_two_steps():
+    """Review findings: a newcomer in a reused slot inherited its predecessor's call count,
+    so the survivors' next change was refused; and a newcomer's first call must be able to
+    match an earlier call of the job (MXNet sets the spec, then multi-precision: two calls),
+    then go on from there. A newcomer never installs a spec of its own."""
+    from types import SimpleNamespace
+
+    from kvstore import optimizer as opt
+    from kvstore.server import Server
+
+    s = object.__new__(Server)
+    s.optimizer_spec, s.updater, s.chains, s.rank, s.name = None, None, None, 0, "server 0"
+    s.sent, s._optimizer_calls, s._optimizer_count = [], [], {}
+    s._send = lambda identity, msg, keys=None, track=True: s.sent.append(msg)
+    s.cfg = SimpleNamespace(verbose=0)
+    s.num_workers, s.members_epoch, s.gate, s._proved, s._shm_of = 2, 0, None, {}, {}
+    s._lost, s._deferred = set(), []
+    s.rounds = SimpleNamespace(leave=lambda *a: [], arrive=lambda *a: None)
+    s._execute = lambda actions: None
+    plain = opt.create("sgd", learning_rate=0.1).spec()
+    mixed = opt.create("sgd", learning_rate=0.1, multi_precision=True).spec()
+    later = opt.create("sgd", learning_rate=0.05).spec()
+
+    def call(rank, spec, keep=False):
+        body = {"spec": spec, "keep": True} if keep else {"spec": spec}
+        s._on_optimizer(f"worker-{rank}".encode(), rank, Message("optimizer", 1, "w", body))
+
+    for rank in (0, 1):  # MXNet's two steps, on every worker
+        call(rank, plain)
+        call(rank, mixed)
+    assert s.optimizer_spec == mixed
+    s._on_members(Message("members", 0, "s", {"epoch": 1, "left": 1, "present": [0]}))
+    s._on_members(Message("members", 0, "s", {"epoch": 2, "joined": 1, "present": [0, 1]}))
+    call(1, plain, keep=True)  # the newcomer's first step matches the job's first call
+    call(1, mixed)
+    assert s.optimizer_spec == mixed
+    call(0, later)  # the survivors change it: not refused for the slot's old count
+    call(1, later)
+    assert s.optimizer_spec == later
+    with pytest.raises(ValueError, match="every worker must set the same"):
+        s._on_members(Message("members", 0, "s", {"epoch": 3, "joined": 1, "present": [0, 1]}))
+        call(1, opt.create("adam").spec(), keep=True)
+    assert s.optimizer_spec == later

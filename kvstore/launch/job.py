@@ -206,6 +206,7 @@ class Supervisor:
         except KeyboardInterrupt as exc:  # Ctrl-C: 130; SIGTERM: 143, as a shell says
             terminated = isinstance(exc, _Terminated)
             self.say(f"{'terminated' if terminated else 'interrupted'}; stopping every process")
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one: the stop goes on
             self.stop()
             return 143 if terminated else 130
         finally:
@@ -324,10 +325,8 @@ class Supervisor:
         causes = [p for p in failed if _named_by_others(p, failed)]
         failed = causes + [p for p in failed if p not in causes]
         for proc in failed:
-            if causes and proc not in causes and _names_any(proc, causes):
-                tail = f" (passing on {causes[0].name}'s failure)"
-            else:
-                tail = _tail(proc)
+            named = _named_cause(proc, causes) if proc not in causes else None
+            tail = f" (passing on {named.name}'s failure)" if named else _tail(proc)
             self.say(f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{tail}")
         self.say("stopping the other processes")
         return next((p for p in failed if p.popen.returncode != EXIT_PEER_LOST), failed[0])
@@ -387,13 +386,13 @@ def _tail(proc: Proc) -> str:
     return f" (last output: {proc.last_lines[-1]!r})" if proc.last_lines else ""
 
 
-def _names_any(proc: Proc, causes: list) -> bool:
-    """Whether ``proc``'s last output passes on one of ``causes``' failures."""
-    return any(
-        re.search(rf"\b{re.escape(c.name)} \([^)]*\) failed", line)
-        for c in causes
-        for line in proc.last_lines[-1:]
-    )
+def _named_cause(proc: Proc, causes: list) -> Proc | None:
+    """The one of ``causes`` whose failure ``proc``'s last output passes on, if any."""
+    last = proc.last_lines[-1:]
+    for cause in causes:
+        if any(re.search(rf"\b{re.escape(cause.name)} \([^)]*\) failed", x) for x in last):
+            return cause
+    return None
 
 
 def _named_by_others(proc: Proc, failed: list) -> bool:
