@@ -84,7 +84,7 @@ def test_row_sparse_pull_local():
     one = [np.empty((4, 3), np.float32) for _ in range(2)]
     kv.row_sparse_pull(9, out=one, row_ids=np.array([2.0], np.float32))  # one id array for all
     assert all(np.array_equal(o[2], value[2]) and not o[[0, 1, 3]].any() for o in one)
-    with pytest.raises(ValueError, match=r"row ids must be in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"row id 4 is outside \[0, 4\)"):
         kv.row_sparse_pull(9, out=one[0], row_ids=np.array([4]))
     with pytest.raises(ValueError, match="row_ids= is required"):
         kv.row_sparse_pull(9, out=one[0])

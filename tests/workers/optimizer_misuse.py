@@ -39,6 +39,7 @@ if mode == "load-first":
     except KVStoreError as exc:
         print("REFUSED", exc, flush=True)
         assert "call set_optimizer first" in str(exc), exc
+    kv.barrier()  # every worker's load refused before anyone sets the optimizer
     kv.set_optimizer(SGD(learning_rate=1.0))
     kv.pushpull("w", np.full(4, 1.0, np.float32), out=out)
     want = 1.0 - W  # one round: every worker's 1, at rate 1
