@@ -931,7 +931,8 @@ class Server:
             self._send(identity, Message("ack", msg.id, self.name))
         elif name == "set_states":
             updater = self._updater_for(msg)
-            if updater is None:  # so on every server: set_optimizer reaches them all
+            if updater is None:  # on every server, unless a set_optimizer is on its way:
+                # the worker fails its store if only some refused (DistStore._wait_for)
                 raise Unchanged("no optimizer is set on the servers; call set_optimizer first")
             if len(msg.arrays) != 1:
                 raise ValueError("set_states needs one state blob")

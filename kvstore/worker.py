@@ -549,7 +549,7 @@ class DistStore(KVStore):
                     text = f"{refused[0]} (other servers took it: the servers now differ)"
                     kind = type(refused[0])
                     self._fail(f"{text}; the store takes no more calls: restart the job", kind)
-                    raise type(refused[0])(text)
+                    raise kind(text)
                 if refused:  # every server refused it: nothing changed
                     raise refused[0]
                 return self._answers.pop(answer) if answer is not None else None
@@ -1098,7 +1098,7 @@ class DistStore(KVStore):
         live = [s for s in range(len(self._servers)) if s not in self._dead]
         # a newcomer to an elastic job keeps the job's optimizer (and its state): another
         # spec is refused, not installed in its place
-        first = self._late and not self._optimizer_sent  # (its later calls count as any)
+        first = self._late and not self._optimizer_sent  # (later ones: counted as anyone's)
         body = {"spec": spec, "keep": True} if first else {"spec": spec}
         self._optimizer_sent = True
         ids = [self._send(s, "optimizer", body) for s in live]
