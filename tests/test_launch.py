@@ -503,3 +503,16 @@ def test_ssh_colocated_servers_one_per_host(sshd, tmp_path):
     ):
         assert f"launch: started {name} on {host} " in done.stdout, done.stdout
     assert "1 servers" not in done.stdout and "[worker 1] done" in done.stdout
+
+
+def test_a_failure_passed_on_is_said_with_the_cause_it_names():
+    """With two causes (workers 1 and 2), a server whose last line names worker 2 passes on
+    worker 2's failure, not the first cause's (review finding); a line naming none, none."""
+    from kvstore.launch.job import Proc, _named_by_others, _named_cause
+
+    w1, w2 = Proc("worker 1", []), Proc("worker 2", [])
+    server = Proc("server 0", [], last_lines=["server 0 (h:1): worker 2 (h pid 9) failed: x"])
+    other = Proc("server 1", [], last_lines=["server 1 (h:2): no route to worker-1"])
+    assert _named_cause(server, [w1, w2]) is w2
+    assert _named_cause(other, [w1, w2]) is None
+    assert _named_by_others(w2, [w1, w2, server]) and not _named_by_others(w1, [w1, w2, server])

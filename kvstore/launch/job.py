@@ -386,19 +386,18 @@ def _tail(proc: Proc) -> str:
     return f" (last output: {proc.last_lines[-1]!r})" if proc.last_lines else ""
 
 
+def _says_failed(name: str, lines) -> bool:
+    """Whether one of ``lines`` says ``<name> (<where>) failed``."""
+    said = re.compile(rf"\b{re.escape(name)} \([^)]*\) failed")
+    return any(said.search(line) for line in lines)
+
+
 def _named_cause(proc: Proc, causes: list) -> Proc | None:
     """The one of ``causes`` whose failure ``proc``'s last output passes on, if any."""
-    last = proc.last_lines[-1:]
-    for cause in causes:
-        if any(re.search(rf"\b{re.escape(cause.name)} \([^)]*\) failed", x) for x in last):
-            return cause
-    return None
+    return next((c for c in causes if _says_failed(c.name, proc.last_lines[-1:])), None)
 
 
 def _named_by_others(proc: Proc, failed: list) -> bool:
     """Whether another process says ``<proc's name> (<where>) failed``: the cause, not one
     that merely passed the news on (``server 0 (...): worker 1 (...) failed: ...``)."""
-    said = re.compile(rf"\b{re.escape(proc.name)} \([^)]*\) failed")
-    return any(
-        said.search(line) for other in failed if other is not proc for line in other.last_lines
-    )
+    return any(_says_failed(proc.name, other.last_lines) for other in failed if other is not proc)
