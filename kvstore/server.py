@@ -482,12 +482,14 @@ class Server:
         tables = self.rows.tables
         for action in actions:
             if type(action) is Apply:
+                entry = None if forwards is None else self._forward(action, forwards)
                 if tables and action.key in tables:
                     why = self._apply_rows(action)
                     if why:
                         broken[action.key] = why
+                        if entry is not None:  # the backups count the round, apply nothing
+                            entry[4] = False
                     continue
-                entry = None if forwards is None else self._forward(action, forwards)
                 try:
                     self._apply(action, entry is not None)
                 except Exception as exc:  # the updater raised, memory ran out: every request
@@ -542,8 +544,7 @@ class Server:
         busy = sends is not None and any(not s.done for s in sends)
         if self._unsent and key in self._unsent:  # a forward of this action list reads it
             busy = True
-        home = self.backup.home.get(key) if self.chains is not None else None
-        updater = self.updater if home is None else self.backup_updaters.get(home)
+        updater = self._updater_of(key)
         if internal(key[0]):  # (key, part): the library's own keys hold sums
             updater = None
         if updater is None and not action.accumulate:
@@ -924,7 +925,8 @@ class Server:
             updater = self._updater_for(msg)
             if updater is None:
                 raise ValueError("no optimizer is set; call set_optimizer first")
-            blob = np.frombuffer(dump_states(updater, self.rows.tables), np.uint8)
+            tables = self._tables_of(self._home_of(msg))
+            blob = np.frombuffer(dump_states(updater, tables), np.uint8)
             self._send(identity, Message("ack", msg.id, self.name, {}, [blob]))
         elif name == "enter":  # kvstore.elastic's reset: a newcomer is in every round now
             self._execute(self.rounds.enter(rank, time.monotonic()))
@@ -936,10 +938,12 @@ class Server:
                 raise Unchanged("no optimizer is set on the servers; call set_optimizer first")
             if len(msg.arrays) != 1:
                 raise ValueError("set_states needs one state blob")
-            load_states(updater, self.rows.tables, msg.arrays[0].tobytes())
+            load_states(updater, self._tables_of(self._home_of(msg)), msg.arrays[0].tobytes())
             self._send(identity, Message("ack", msg.id, self.name))
         elif name == "stats":  # kv.server_stats(): memory, and the row-sparse keys' rows
-            rows = [[key[0], len(t), t.nbytes] for key, t in self.rows.tables.items()]
+            # with replicas: server home's parts (held as its primary, or taken over)
+            tables = self._tables_of(self._home_of(msg))
+            rows = [[key[0], len(t), t.nbytes] for key, t in tables.items()]
             body = {"rss": metrics.resident_bytes(), "rows": rows}
             self._send(identity, Message("ack", msg.id, self.name, body))
         else:
@@ -961,6 +965,17 @@ class Server:
         if self.chains is None:
             return []
         return [h for h, chain in enumerate(self.chains) if h != self.rank and self.rank in chain]
+
+    def _updater_of(self, key: tuple):
+        """The updater of ``key``: this server's, or for a copy of another server's part
+        (kept or taken over) the one that mirrors that server's."""
+        home = self.backup.home.get(key) if self.chains is not None else None
+        return self.updater if home is None else self.backup_updaters.get(home)
+
+    def _tables_of(self, home: int) -> dict:
+        """The row-sparse tables of server ``home``'s parts held here."""
+        homes = self.backup.home
+        return {k: t for k, t in self.rows.tables.items() if homes.get(k, self.rank) == home}
 
     def _home_of(self, msg: Message) -> int:
         """The server whose part an ``init`` or a ``command`` is for (a backup's copy)."""
@@ -1003,41 +1018,57 @@ class Server:
 
     def _forward(self, action: Apply, forwards: dict) -> list | None:
         """Note a round (or async push) about to be applied for the live backups of its key:
-        its entry ``[key, part, accumulate, pushes held, applied]`` (None: no backups)."""
+        its entry ``[key, part, accumulate, pushes held, applied]`` (None: no backups). A
+        dense key's entry carries the round's input, its sum (one array, which becomes the
+        stored value: tracked); a row-sparse key's carries the pushes themselves, as
+        ``[[rank, normal], ...]`` in the order the round sums them, with their ids and rows
+        (two arrays each): a backup sums them as the primary does, to the same bits."""
         home = self.backup.home.get(action.key, self.rank)
         if not self._targets.get(home):
             return None
         held = self.primary.applied(action.key, action.accumulate, self._pusher)
         key, part = action.key
         entry = [key, part, action.accumulate, held, True]
-        forwards.setdefault(home, []).append((entry, action))
-        self._unsent.add(action.key)
+        if action.key in self.rows.tables:
+            pushes = self.rows.next_pushes(action.key, action.accumulate)
+            entry.append([[rank, normal] for rank, _, _, normal in pushes])
+            arrays = []
+            for _, ids, rows, _ in pushes:  # rows in a shared segment: copied, the worker
+                # writes it again once answered, and a lost backup's forward may still be read
+                arrays += [ids, rows.copy() if _in_segment(rows) else rows]
+            forwards.setdefault(home, []).append((entry, action.key, arrays, False))
+        else:
+            forwards.setdefault(home, []).append((entry, action.key, [action.value], True))
+            self._unsent.add(action.key)
         return entry
 
     def _send_forwards(self, forwards: dict) -> None:
         for home, items in forwards.items():
-            body = {"home": home, "entries": [entry for entry, _ in items], "epoch": self.epoch}
-            arrays = [action.value for _, action in items]
-            keys = [action.key for _, action in items]
+            body = {"home": home, "entries": [entry for entry, *_ in items], "epoch": self.epoch}
+            keys = [key for _, key, _, _ in items]
+            arrays, owners = [], []  # owners: the key of each array a reply's send reads
+            for _, key, values, tracked in items:
+                arrays += values
+                owners += [key if tracked else None] * len(values)
             for backup in list(self._targets[home]):
                 seq = self.primary.forwarded(backup, keys)
                 msg = Message("replica", seq, self.name, body, arrays)
                 if self._peer_ready.get(backup):
-                    self._send_peer(backup, msg, keys)
+                    self._send_peer(backup, msg, owners)
                 else:  # its link is not proved yet: a copy waits (the values move on)
                     msg.arrays = [a.copy() for a in arrays]
                     self._backlog[backup].append(msg)
         self._unsent.clear()
 
-    def _send_peer(self, backup: int, msg: Message, keys=None) -> None:
+    def _send_peer(self, backup: int, msg: Message, owners=None) -> None:
         try:
-            sent = transport.send(self._peers[backup], msg, track=keys is not None)
+            sent = transport.send(self._peers[backup], msg, track=owners is not None)
         except zmq.ZMQError as exc:
             self._lose_backup(backup, f"a forward to it could not be sent ({exc.strerror})")
             return
         for s in sent:  # the stored arrays it reads are not written until it is sent
-            busy = self.sending.setdefault(keys[s.array], [])
-            busy.append(s)
+            if owners[s.array] is not None:
+                self.sending.setdefault(owners[s.array], []).append(s)
 
     def _on_peer_reply(self, backup: int, sock: zmq.Socket) -> None:
         try:
@@ -1121,13 +1152,13 @@ class Server:
         home, entries = msg.body["home"], msg.body["entries"]
         if type(home) is not int or acting(home, self.chains, self.dead) != peer:
             raise ValueError(f"server {peer} does not answer for server {home!r:.20}'s parts")
-        if len(entries) != len(msg.arrays):
-            raise ValueError("replica: one array per entry")
-        checked = []
-        for entry, value in zip(entries, msg.arrays, strict=True):
+        if not isinstance(entries, list):
+            raise ValueError("replica: entries must be a list")
+        checked, arrays = [], iter(msg.arrays)
+        for entry in entries:
             if (
                 not isinstance(entry, list)
-                or len(entry) != 5
+                or len(entry) not in (5, 6)
                 or type(entry[2]) is not bool
                 or type(entry[4]) is not bool
             ):
@@ -1136,21 +1167,54 @@ class Server:
             held = self.backup.passive.get(key)
             if held is None or held[0] != home:
                 raise KeyError(f"replica: key {_show(key)} is no copy of server {home}'s here")
-            stored = self.stored[key]
-            if value.dtype != stored.dtype or value.size != stored.size:
-                raise ValueError(f"replica: key {_show(key)}: got {value.size} x {value.dtype}")
             pushes = entry[3]
             if not isinstance(pushes, list) or not all(
                 isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
                 for p in pushes
             ):
                 raise ValueError(f"replica: bad pushes {pushes!r:.80}")
-            checked.append((key, value.reshape(-1), entry[2], pushes, entry[4]))
+            if key in self.rows.tables:
+                value = self._replica_rows(key, entry, arrays)
+            elif len(entry) == 5:
+                value, stored = next(arrays, None), self.stored[key]
+                if value is None or value.dtype != stored.dtype or value.size != stored.size:
+                    got = "no array" if value is None else f"{value.size} x {value.dtype}"
+                    raise ValueError(f"replica: key {_show(key)}: got {got}")
+                value = value.reshape(-1)
+            else:
+                raise ValueError(f"replica: key {_show(key)} is a dense key here, not row-sparse")
+            checked.append((key, value, entry[2], pushes, entry[4]))
+        if next(arrays, None) is not None:
+            raise ValueError("replica: more arrays than its entries describe")
         for key, value, accumulate, pushes, applied in checked:
-            if applied:  # else the primary could not apply it either: counted, not applied
-                self._apply(Apply(key, value, accumulate))
+            if key not in self.rows.tables:
+                if applied:  # else the primary could not apply it either: counted, not applied
+                    self._apply(Apply(key, value, accumulate))
+            else:
+                why = self._apply_rows(Apply(key, None, accumulate), value if applied else None)
+                if why:  # this copy is behind its primary's now: refused, it is no replica
+                    raise RuntimeError(why)
             self.backup.received(key, accumulate, pushes)
         self._send(identity, Message("ack", msg.id, self.name))
+
+    def _replica_rows(self, key: tuple, entry: list, arrays) -> list:
+        """A forwarded round of a row-sparse key, checked: ``[(rank, ids, rows, normal)]``."""
+        table, pushes = self.rows.tables[key], entry[5] if len(entry) == 6 else None
+        if not isinstance(pushes, list) or not all(
+            isinstance(p, list) and len(p) == 2 and type(p[0]) is int and type(p[1]) is bool
+            for p in pushes
+        ):
+            raise ValueError(f"replica: key {_show(key)}: bad row pushes {pushes!r:.80}")
+        if entry[2] and len(pushes) != 1:
+            raise ValueError(f"replica: key {_show(key)}: an async push is one push")
+        out = []
+        for rank, normal in pushes:
+            ids, rows = next(arrays, None), next(arrays, None)
+            if rows is None:
+                raise ValueError(f"replica: key {_show(key)}: fewer arrays than pushes")
+            self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows, self._owned[key])
+            out.append((rank, ids, rows, normal))
+        return out
 
     def _replicated_push(self, rank: int, msg: Message, grads: list, sync: bool):
         """A push under replicas: a re-sent one's keys already held are answered, not
@@ -1211,7 +1275,9 @@ class Server:
 
     # ---- row-sparse keys (kvstore.sparse): a RowTable per (key, part = this server); the
     # rounds are Rounds' own, fed an empty array per push, while SparseKeys holds the rows
-    def _row_keys(self, msg: Message) -> list[tuple]:
+    def _row_keys(self, msg: Message, home: int | None = None) -> list[tuple]:
+        """The row-sparse keys a request names, checked; ``home``: it writes server
+        ``home``'s parts, copies included (else a copy is refused: its primary answers)."""
         keys = [tuple(k) for k in msg.body["keys"]]
         if not keys:  # Rounds would answer a request of no keys never
             raise ValueError(f"{msg.kind}: no keys")
@@ -1225,6 +1291,14 @@ class Server:
                         "row-sparse key's: did every worker init it the same way?"
                     )
                 raise KeyError(f"row-sparse key {_show(key)} was never initialised on this server")
+            if home is not None:
+                if self.backup.home.get(key, self.rank) != home:
+                    raise KeyError(f"key {_show(key)} is no part of server {home}'s here")
+            elif key in self.backup.passive:
+                raise KeyError(
+                    f"key {_show(key)} is a backup copy on this server: server "
+                    f"{self.backup.passive[key][0]} answers for it"
+                )
         if len(set(keys)) != len(keys):
             raise ValueError("a key appears twice in one request")
         return keys
@@ -1272,11 +1346,7 @@ class Server:
     def _on_sparse_init(self, identity, rank, msg) -> None:
         """Every key, meta and row set is checked before any key is made."""
         keys, metas = [tuple(k) for k in msg.body["keys"]], msg.body["meta"]
-        if self.chains is not None:
-            raise ValueError(
-                "row-sparse keys are not replicated: run them with KVSTORE_REPLICAS=1 "
-                "(launch.py --replicas 1)"
-            )
+        home = self._home_of(msg)  # with replicas: a copy of server home's parts
         if len(metas) != len(keys) or len(msg.arrays) != 2 * len(keys):
             raise ValueError("sparse_init: one meta and two arrays (ids, rows) per key")
         if len(set(keys)) != len(keys):
@@ -1285,10 +1355,11 @@ class Server:
         for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
             if len(key) != 2:
                 raise ValueError(f"sparse_init: a key is [key, part], got {list(key)!r:.60}")
-            if key[1] != self.rank:
+            if key[1] != home:
+                whose = "this server's" if home == self.rank else f"server {home}'s"
                 raise ValueError(
-                    f"part {key[1]!r:.20} of key {key[0]!r:.60} is not this server's: "
-                    f"server {self.rank} holds part {self.rank} of every row-sparse key"
+                    f"part {key[1]!r:.20} of key {key[0]!r:.60} is not {whose}: "
+                    f"server {home} holds part {home} of every row-sparse key"
                 )
             if key in self.rows.tables or key in self.stored:
                 raise ValueError(f"key {_show(key)} is already initialised")
@@ -1309,6 +1380,11 @@ class Server:
         for key, rows, dim, dtype, init, ids, data, owned in made:
             self._owned[key] = owned
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
+            if home != self.rank:  # a backup copy: in no round here while its primary lives
+                answering = acting(home, self.chains, self.dead) == self.rank
+                self.backup.hold(key, home, None, answering)
+                if not answering:
+                    continue
             self.rounds.add_key(key)
         self._send(identity, Message("ack", msg.id, self.name))
 
@@ -1322,18 +1398,26 @@ class Server:
         for i, key in enumerate(keys):
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
             self._rows_of(key, ids, data)
-            if self.updater is not None:  # refused now, not when its round is applied
-                check_optimizer(self.updater.optimizer, self.rows.tables[key].dtype)
+            up = self._updater_of(key)
+            if up is not None:  # refused now, not when its round is applied
+                check_optimizer(up.optimizer, self.rows.tables[key].dtype)
         grads = [(key, self.rows.placeholder(self.rows.tables[key].dtype)) for key in keys]
         if "entered" in msg.body:
             self._expect(msg.body["entered"], grads)
-        before = [self.rounds.keys[key].pushed[rank] for key in keys]
-        actions = self.rounds.push(Request(identity, msg), rank, grads, sync, time.monotonic())
+        held = 0
+        if self.chains is not None:  # a re-sent push's keys already held: answered only
+            grads, held = self._replicated_push(rank, msg, grads, sync)
+        before = [self.rounds.keys[key].pushed[rank] for key, _ in grads]
+        actions = self.rounds.push(
+            Request(identity, msg), rank, grads, sync, time.monotonic(), None, held
+        )
         # the rows are filed only where the rounds took the push (not after join(), not into
         # a dead round, not with another staleness); Apply actions run after, in _execute
-        for i, key in enumerate(keys):
-            round_ = self._took(key, rank, before[i], sync, actions)
+        index = {key: i for i, key in enumerate(keys)} if held else None
+        for j, (key, _) in enumerate(grads):
+            round_ = self._took(key, rank, before[j], sync, actions)
             if round_ is not None:
+                i = j if index is None else index[key]
                 ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
                 self.rows.add(key, round_, rank, ids, rows, sync, 2 * i + 1 in shared)
         self._execute(actions)
@@ -1416,7 +1500,8 @@ class Server:
         self._execute(self.rounds.pull(Request(identity, msg), rank, keys))
 
     def _on_sparse_load(self, identity, rank, msg) -> None:
-        keys = self._row_keys(msg)
+        """With replicas every live server holding a copy of the part gets its own."""
+        keys = self._row_keys(msg, self._home_of(msg))
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_load: {len(keys)} keys need {2 * len(keys)} arrays")
         step = msg.body.get("step")
@@ -1431,18 +1516,27 @@ class Server:
             table.assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
         self._send(identity, Message("ack", msg.id, self.name))
 
-    def _apply_rows(self, action: Apply) -> str:
+    def _apply_rows(self, action: Apply, forwarded=()) -> str:
         """A round of a row-sparse key: sum its pushes by rank, update the touched rows.
         Returns why it failed ("" when it did not): the requests waiting for it are failed
-        with that (the round's pushes are dropped; the next round applies as usual)."""
-        key = action.key
+        with that (the round's pushes are dropped; the next round applies as usual).
+        ``forwarded``: on a backup, the round's pushes as its primary forwarded them (None:
+        the primary could not apply the round; it is counted, not applied, as there)."""
+        key, sync = action.key, not action.accumulate
         table = self.rows.tables[key]
         which = "an async push" if action.accumulate else f"round {self.rows.rounds_done[key]}"
+        for rank, ids, rows, normal in forwarded or ():
+            self.rows.add(key, self.rows.rounds_done[key], rank, ids, rows, sync, normal)
+        up = self._updater_of(key)
         try:
-            if self.updater is None:
+            if forwarded is None:
+                self.rows.skip(key, action.accumulate)
+                if up is not None:
+                    up.counts[key] = up.counts.get(key, 0) + 1
+                    up.num_update = max(up.num_update, up.counts[key])
+            elif up is None:
                 self.rows.apply(key, action.accumulate)
             else:
-                up = self.updater
                 t = up.counts[key] = up.counts.get(key, 0) + 1
                 up.num_update = max(up.num_update, t)
                 lr = up.optimizer.learning_rate(up.num_update)

@@ -815,7 +815,24 @@ class SparseKeys:
         if sync:
             self.pending[where].setdefault(round_, []).append((rank, ids, rows, normal))
         else:
-            self.arrivals[where].append((ids, rows, normal))
+            self.arrivals[where].append((rank, ids, rows, normal))
+
+    def next_pushes(self, where, accumulate: bool) -> list:
+        """The pushes the next :meth:`apply` of ``where`` sums, ``[(rank, ids, rows,
+        normal)]`` in the order it sums them (a primary forwards them to its backups)."""
+        if accumulate:
+            return self.arrivals[where][:1]
+        return sorted(self.pending[where].get(self.rounds_done[where], []), key=lambda p: p[0])
+
+    def skip(self, where, accumulate: bool) -> None:
+        """Count the next round (or async push) of ``where`` without applying it: its
+        primary could not apply it either."""
+        if accumulate:
+            if self.arrivals[where]:
+                self.arrivals[where].pop(0)
+            return
+        self.pending[where].pop(self.rounds_done[where], None)
+        self.rounds_done[where] += 1
 
     def apply(self, where, accumulate: bool, optimizer=None, t: int = 1, lr: float = 0.0):
         """Apply the round now complete (with ``accumulate``: the next async push): the
@@ -824,7 +841,7 @@ class SparseKeys:
         ``0 + a + b``, the same bits as the sum."""
         table = self.tables[where]
         if accumulate:
-            ids, rows, normal = self.arrivals[where].pop(0)
+            _, ids, rows, normal = self.arrivals[where].pop(0)
             if not normal:  # 0 + rows, as a shared segment's: the same bits on either path
                 rows = np.add(rows.dtype.type(0), rows)
             table.apply(ids, rows, optimizer, t, lr, accumulate=True)

@@ -59,7 +59,9 @@ _PULLING = frozenset({"pull", "pushpull", "sparse_pull"})  # and a sparse_push w
 _PUSHING = frozenset({"push", "pushpull", "sparse_push"})  # the requests a round counts
 # Requests every live replica of a part gets its own copy of (or that prove one connection):
 # after a failover, one to a dead server is not sent again.
-_FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth"})
+_FANNED_OUT = frozenset(
+    {"init", "optimizer", "set_states", "hello", "auth", "sparse_init", "sparse_load"}
+)
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -388,7 +390,8 @@ class DistStore(KVStore):
                 if retain:
                     if self._epoch:
                         body["epoch"] = self._epoch
-                    if out.kind == "push":  # push returns before its answer: keep a copy
+                    if out.kind in ("push", "sparse_push"):  # these return before their
+                        # answer (the caller may write its arrays again): keep a copy
                         arrays = [a.copy() if a.size else a for a in arrays]
                 msg = Message(out.kind, msg_id, f"worker-{self._rank}", body, arrays)
                 trackers.extend(s.tracker for s in self._transmit(out.server, msg))
@@ -637,7 +640,13 @@ class DistStore(KVStore):
         body = {**old.body, "resend": True, "epoch": self._epoch}
         body.pop("shm_pull", None)
         arrays = list(old.arrays)
-        for (index, _, _), segment in zip(body.pop("shm", ()), request.segments, strict=True):
+        for (index, *_), segment in zip(body.pop("shm", ()), request.segments, strict=True):
+            if old.kind == "sparse_push":  # ids before it; an empty (0, dim) block of rows
+                shape = (arrays[index - 1].size, arrays[index].shape[1])
+                count = shape[0] * shape[1]
+                rows = segment.push.view(arrays[index].dtype)[:count].reshape(shape)
+                arrays[index] = rows.copy()
+                continue
             key, part = old.body["keys"][index]
             lo, hi = self._planner.parts[key][part]
             arrays[index] = segment.push.view(arrays[index].dtype)[: hi - lo].copy()
@@ -789,17 +798,22 @@ class DistStore(KVStore):
             known = members is not None and all(m in self._arrivals for m in members)
             arrivals = [self._arrivals[m] for m in members] if known else None
             outgoing = self._planner.init(keys, flats, members, arrivals)
-            if self._chains:  # every live replica of a part gets it, told whose part it is
-                outgoing = [
-                    out._replace(server=r, body={**out.body, "home": out.server})
-                    for out in outgoing
-                    for r in self._chains[out.server]
-                    if r not in self._dead
-                ]
-            ids, _ = self._commit("init", outgoing)
+            ids, _ = self._commit("init", self._fanned_out(outgoing))
             self._wait("init", ids)
         if members is None:
             self.barrier()
+
+    def _fanned_out(self, outgoing) -> list:
+        """With replicas, every live replica of a part gets its own copy of each message,
+        told whose part it is (``home``)."""
+        if not self._chains:
+            return outgoing
+        return [
+            out._replace(server=r, body={**out.body, "home": out.server})
+            for out in outgoing
+            for r in self._chains[out.server]
+            if r not in self._dead
+        ]
 
     def _push_plan(self, kind: str, items) -> Iterator[Outgoing]:
         keys = [item.key for item in items]
@@ -899,15 +913,11 @@ class DistStore(KVStore):
 
     # ---- row-sparse keys (kvstore.sparse): every server holds the rows row_server gives it
     def _init_rows(self, items):
-        if self._chains:
-            raise ValueError(
-                "row-sparse keys are not replicated: run them with KVSTORE_REPLICAS=1 "
-                "(launch.py --replicas 1)"
-            )
         if self._late:  # an elastic job's newcomer: the keys are made, its peers past init
             return
         if self.rank == 0:
-            ids, _ = self._commit("init", sparse.plan_init(items, len(self._servers)))
+            outgoing = self._fanned_out(sparse.plan_init(items, len(self._servers)))
+            ids, _ = self._commit("init", outgoing)
             self._wait("init", ids)
         self.barrier()
 
@@ -1054,7 +1064,10 @@ class DistStore(KVStore):
         bounds = sparse.bounds_of(self._sparse[key].sharding, value.shape[0], n)
         for s, pos in enumerate(sparse.split_by_server(value.indices, n, bounds)):
             arrays = [value.indices[pos], np.ascontiguousarray(value.data[pos])]
-            ids.append(self._send(s, "sparse_load", {**body, "keys": [[key, s]]}, arrays))
+            for r in self._chains[s] if self._chains else [s]:  # each replica its own copy
+                if r not in self._dead:
+                    part = {**body, "keys": [[key, s]], "home": s}
+                    ids.append(self._send(r, "sparse_load", part, arrays))
         self._wait("load_rows", ids)
 
     # ---- collective and control
@@ -1154,7 +1167,7 @@ class DistStore(KVStore):
             return lambda msg: found.__setitem__(server, msg.body)
 
         ids = [
-            self._send(s, "command", {"name": "stats"}, on_reply=keep(s))
+            self._send(s, "command", {"name": "stats", "home": s}, on_reply=keep(s))
             for s in range(len(self._servers))
         ]
         self._wait("server_stats", ids)

@@ -270,14 +270,16 @@ def _hashes(cluster: Cluster, W: int) -> set:
     return found
 
 
-def _run(tmp, opt: str, call: str, steps: int, fault=None, seed=0) -> tuple[set, str]:
-    """A W=4, S=3, R=2 job; ``fault``: "kill" or "freeze" a random server at a random step."""
+def _run(
+    tmp, opt: str, call: str, steps: int, fault=None, seed=0, script="replicated.py", replicas=2
+) -> tuple[set, str]:
+    """A W=4, S=3 job; ``fault``: "kill" or "freeze" a random server at a random step."""
     W, S = 4, 3
     tmp.mkdir()
     # keys "b" and "big" are split over every server: every server holds parts
-    cluster = Cluster(S, W, tmp, KVSTORE_REPLICAS=2, KVSTORE_BIGARRAY_BOUND=1000)
+    cluster = Cluster(S, W, tmp, KVSTORE_REPLICAS=replicas, KVSTORE_BIGARRAY_BOUND=1000)
     try:
-        procs = cluster.start_workers("replicated.py", [steps, opt, call])
+        procs = cluster.start_workers(script, [steps, opt, call])
         note = ""
         if fault:
             rng = random.Random(seed)
@@ -311,6 +313,22 @@ def test_a_server_dies_and_the_weights_are_bit_identical(tmp_path, opt, call, fa
     assert len(clean) == 1 and None not in clean, clean
     failed, note = _run(tmp_path / "failed", opt, call, 24, fault, seed)
     assert failed == clean, f"{note}: the weights differ from the run without a failure"
+
+
+@pytest.mark.parametrize(
+    "opt,call,fault",
+    [("none", "pushpull", "kill"), ("adam", "push", "freeze"), ("sgd", "pushpull", "kill")],
+)
+def test_row_sparse_keys_survive_a_server_s_death_bit_for_bit(tmp_path, opt, call, fault):
+    """Row-sparse keys (hash and range sharded) beside a dense one: the rows stored and the
+    optimizer state after a server was killed or frozen at a random step are the bits of a
+    job that ran without replicas and without a failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    script = "replicated_rows.py"
+    plain, _ = _run(tmp_path / "plain", opt, call, 20, script=script, replicas=1)
+    assert len(plain) == 1 and None not in plain, plain
+    failed, note = _run(tmp_path / "failed", opt, call, 20, fault, seed, script)
+    assert failed == plain, f"{note}: the rows differ from the run without replicas"
 
 
 def test_async_every_acknowledged_push_counts_once(tmp_path):
