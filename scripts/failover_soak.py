@@ -6,9 +6,12 @@ no failure gives the reference hash of the final weights; every later run kills 
 freezes (SIGSTOP, thawed once replaced) a random server at a random step, and is exact when
 every worker ends with the reference hash. Prints each run's seed, what was done, whether it
 was exact, and the pause the workers saw: from the fault to the first round every worker
-completed after it. Ends with the count of exact runs.
+completed after it. Ends with the count of exact runs. With ``--rows`` the job trains
+row-sparse keys beside a dense one (``tests/workers/replicated_rows.py``: the hash covers every
+stored row and the optimizer state).
 
     python scripts/failover_soak.py --runs 100
+    python scripts/failover_soak.py --runs 30 --rows
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from tests.cluster import Cluster, poll_until  # noqa: E402
 W, S = 4, 3
 
 
-def run(steps: int, opt: str, fault: str | None, seed: int, heartbeat: float) -> tuple:
+def run(steps: int, opt: str, fault: str | None, seed: int, heartbeat: float, script: str) -> tuple:
     """(hashes, pause in seconds or None, what was done)."""
     rng = random.Random(seed)
     # keys "b" and "big" are split over every server, so every server holds parts
@@ -43,7 +46,7 @@ def run(steps: int, opt: str, fault: str | None, seed: int, heartbeat: float) ->
         cluster = Cluster(S, W, Path(tmp), **env)
         try:
             call = rng.choice(["pushpull", "push"])
-            procs = cluster.start_workers("replicated.py", [steps, opt, call])
+            procs = cluster.start_workers(script, [steps, opt, call])
             what, struck = f"{opt} {call}, no fault", None
             if fault:
                 victim, at = rng.randrange(S), rng.randrange(1, steps - 3)
@@ -82,17 +85,19 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fault", choices=["kill", "freeze", "both"], default="both")
-    parser.add_argument("--opt", choices=["sgd", "adam", "both"], default="both")
+    parser.add_argument("--opt", choices=["sgd", "adam", "none", "both"], default="both")
+    parser.add_argument("--rows", action="store_true", help="row-sparse keys too")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
     seed0 = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"seed {seed0}", flush=True)
     opts = ["sgd", "adam"] if args.opt == "both" else [args.opt]
+    script = "replicated_rows.py" if args.rows else "replicated.py"
     faults = ["kill", "freeze"] if args.fault == "both" else [args.fault]
     reference = {}
     for opt in opts:
-        hashes, _, _ = run(args.steps, opt, None, seed0, args.heartbeat_timeout)
+        hashes, _, _ = run(args.steps, opt, None, seed0, args.heartbeat_timeout, script)
         if len(hashes) != 1 or None in hashes:
             print(f"the run without a fault failed or disagreed: {hashes}")
             return 1
@@ -102,7 +107,7 @@ def main() -> int:
         seed = seed0 + 1 + i
         opt, fault = opts[i % len(opts)], faults[(i // len(opts)) % len(faults)]
         started = time.monotonic()
-        hashes, pause, what = run(args.steps, opt, fault, seed, args.heartbeat_timeout)
+        hashes, pause, what = run(args.steps, opt, fault, seed, args.heartbeat_timeout, script)
         ok = hashes == reference[opt]
         exact += ok
         pauses.append(pause)
