@@ -1,7 +1,7 @@
-"""dist_async counters under replicas: every worker pushes +1 into every key N times (small
-random pauses, so a server can be killed half way), then pulls. Prints "counters C" when
-every element of every key (and every row of a row-sparse key) is the same C (the test expects W * N: no acknowledged push lost,
-none applied twice), else the values seen.
+"""dist_async counters under replicas: every worker pushes +1 into every key, and into every
+row of a row-sparse key, N times (small random pauses, so a server can be killed half way),
+then pulls. Prints "counters C" when every element of every key and row is the same C (the
+test expects W * N: no acknowledged push lost, none applied twice), else the values seen.
 
 argv: N.
 """
