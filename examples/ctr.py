@@ -186,12 +186,13 @@ def main(argv=None) -> int:
             stats = kv.server_stats()
             stored = sum(s["rows"]["emb"]["rows"] for s in stats)
             held = sum(s["rows"]["emb"]["bytes"] for s in stats)
-            rss = sum(s["rss"] for s in stats)
+            processes = {s["process"]: s["rss"] for s in stats}  # after a failover: fewer
+            rss = sum(processes.values())
             print(
                 f"epoch {epoch}: loss {loss_sum / max(steps, 1):.4f}, test AUC {score:.4f}, "
                 f"{moved / seconds:,.0f} rows/s pulled and pushed; servers: {stored:,} rows "
                 f"stored ({held / 2**20:.1f} MiB with Adam's state), {rss / 2**20:.0f} MiB "
-                f"resident in {len(stats)} process(es)",
+                f"resident in {len(processes)} server process(es)",
                 flush=True,
             )
         kv.barrier()

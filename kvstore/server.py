@@ -944,7 +944,7 @@ class Server:
             # with replicas: server home's parts (held as its primary, or taken over)
             tables = self._tables_of(self._home_of(msg))
             rows = [[key[0], len(t), t.nbytes] for key, t in tables.items()]
-            body = {"rss": metrics.resident_bytes(), "rows": rows}
+            body = {"rss": metrics.resident_bytes(), "rows": rows, "rank": self.rank}
             self._send(identity, Message("ack", msg.id, self.name, body))
         else:
             raise ValueError(f"unknown command {name!r}")

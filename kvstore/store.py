@@ -758,9 +758,12 @@ class KVStore:
 
     def server_stats(self) -> list[dict]:
         """Each server's memory and its share of every row-sparse key, to watch a table
-        grow: ``[{"server": s, "rss": bytes resident, "rows": {key: {"rows": rows stored,
-        "bytes": bytes held (the rows, optimizer state, index)}}}]``. A local store is its
-        own server: one entry, this process.
+        grow: ``[{"server": s, "process": the server answering for s, "rss": its bytes
+        resident, "rows": {key: {"rows": rows stored, "bytes": bytes held (the rows,
+        optimizer state, index)}}}]``. With replicas, after a failover, the server acting for
+        a dead one answers for it too (``process``; count its ``rss`` once), and a server's
+        ``rss`` includes the copies it keeps. A local store is its own server: one entry,
+        this process.
 
         >>> sum(s["rows"]["emb"]["rows"] for s in kv.server_stats())  # doctest: +SKIP
         """
@@ -768,7 +771,7 @@ class KVStore:
 
         tables = getattr(self, "_tables", {})
         rows = {k: {"rows": len(t), "bytes": t.nbytes} for k, t in tables.items()}
-        return [{"server": 0, "rss": resident_bytes(), "rows": rows}]
+        return [{"server": 0, "process": 0, "rss": resident_bytes(), "rows": rows}]
 
     def is_capable(self, capability: str) -> bool:
         """MXNet's capability query: ``'optimizer'`` (updates on the store) is True."""

@@ -1175,7 +1175,9 @@ class DistStore(KVStore):
         for s in range(len(self._servers)):
             body = found.get(s, {})
             rows = {key: {"rows": n, "bytes": b} for key, n, b in body.get("rows", ())}
-            stats.append({"server": s, "rss": int(body.get("rss", 0)), "rows": rows})
+            process = body.get("rank", s)  # with replicas, after a failover: the acting one
+            entry = {"server": s, "process": process, "rss": int(body.get("rss", 0))}
+            stats.append({**entry, "rows": rows})
         return stats
 
     def load_optimizer_states(self, fname: str) -> None:

@@ -265,6 +265,6 @@ def test_ctr_example_learns_the_planted_clicks_through_launch(sharding):
     epochs = [line for line in out.splitlines() if "] epoch " in line]
     assert len(epochs) == 2, out
     for line in epochs:
-        assert "rows/s pulled and pushed; servers:" in line and "in 2 process(es)" in line
+        assert "rows/s pulled and pushed; servers:" in line and "in 2 server process(es)" in line
         stored = int(line.split("servers: ")[1].split()[0].replace(",", ""))
         assert 10_000 < stored <= 100_000 * 8, line  # the rows touched, not 2^30

@@ -62,9 +62,12 @@ for step in range(steps):
     kv.pushpull("w", w, out=out_w)
     print(f"step {step} at {time.time():.3f}", flush=True)
 digest = hashlib.sha256()
+stats = kv.server_stats()  # each part counted once: by its primary, or whoever took it over
 for name in ("emb", "cat"):
     rows, _ = kv.save_rows(name)
     digest.update(rows.indices.tobytes() + rows.data.tobytes())
+    counted = sum(s["rows"][name]["rows"] for s in stats)
+    assert counted == rows.nnz, (name, counted, rows.nnz, stats)
 kv.pull("w", out=out_w)
 digest.update(out_w.tobytes())
 if which != "none":
