@@ -24,7 +24,7 @@ kv = kvstore.create("dist_sync")
 rank = kv.rank
 # a hashed 10^6-row table (rows created on first push), a range-sharded one loaded with rows
 # at init, and a dense key beside them
-emb, cat = (1_000_000, 8), (5_000, 4)
+emb, cat = (1_000_000, 64), (5_000, 4)
 kv.init("emb", RowSparse.empty(emb, np.float32, init=uniform(-0.1, 0.1, seed=3)))
 start = np.arange(0, cat[0], 7)
 kv.init(
@@ -40,9 +40,10 @@ delays = random.Random(os.urandom(8))  # a different timing in every run
 
 def grad(shape, step, salt):
     g = np.random.default_rng([rank, step, salt])
-    count = int(g.choice([0, 1, 40, 300]))
-    # a narrow id range: workers push some of the same rows
-    ids = np.unique(g.integers(0, min(shape[0], 2_000), count))
+    count = int(g.choice([0, 1, 40, 1500]))
+    # a narrow id range: workers push some of the same rows (and "emb"'s biggest pushes go
+    # through shared segments, over 64 KiB a server)
+    ids = np.unique(g.integers(0, min(shape[0], 4_000), count))
     return RowSparse(ids, g.standard_normal((ids.size, shape[1])).astype(np.float32), shape)
 
 
