@@ -31,6 +31,10 @@ kv.init(
     "cat", RowSparse(start, np.full((start.size, cat[1]), 0.25, np.float32), cat, None, "range")
 )
 kv.init("w", np.full(7, 0.5, np.float32))
+if rank == 0:  # rows loaded into every replica (a checkpoint's), before training
+    loaded = np.arange(3, cat[0], 11)
+    kv.load_rows("cat", RowSparse(loaded, np.full((loaded.size, cat[1]), 0.75, np.float32), cat))
+kv.barrier()
 if which == "sgd":
     kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1, momentum=0.9))
 elif which == "adam":
