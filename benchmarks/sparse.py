@@ -23,6 +23,7 @@ with every row, ones, as the anchor does).
     python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
     python benchmarks/sparse.py --dims 16 --reqs 1K --budget 0.3 --no-memory   # a smoke run
     python benchmarks/sparse.py --dims "" --no-memory --job-memory   # the whole job's RSS
+    python benchmarks/sparse.py --dims 64 --reqs 4K --no-memory --replicas 2   # with replicas
 """
 
 from __future__ import annotations
@@ -276,6 +277,7 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
         DMLC_NUM_SERVER=str(args.servers),
         DMLC_NUM_WORKER=str(args.workers),
         DMLC_NODE_HOST="127.0.0.1",
+        KVSTORE_REPLICAS=str(args.replicas),
         PYTHONPATH=str(ROOT),
         **SECURITY["auth"],
     )
@@ -452,6 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reqs", default="1K,4K,64K", help="rows per request")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
     ap.add_argument("--sharding", default="hash", choices=["hash", "range"], help="the tables'")
+    ap.add_argument("--replicas", type=int, default=1, help="KVSTORE_REPLICAS (copies of a part)")
     ap.add_argument("--anchor", default="100000x64x4096", help="ROWSxDIMxREQ")
     ap.add_argument("--run-anchor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--anchor-steps", type=int, default=50)
@@ -484,7 +487,8 @@ def main(argv=None) -> int:
 
 def table(results: list[dict], args) -> str:
     lines = [
-        f"row-sparse, W={args.workers} S={args.servers} dist_sync, rows by {args.sharding} "
+        f"row-sparse, W={args.workers} S={args.servers} R={args.replicas} dist_sync, rows by "
+        f"{args.sharding} "
         "(rows/s per worker; "
         "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq: one round "
         "trip of those bytes)",
