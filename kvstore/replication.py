@@ -128,6 +128,10 @@ class Backup:
         self.home: dict = {}  # key -> its home server, for every key held for another one
         self.rounds: dict = {}  # key -> sync rounds received
         self.seen: dict = {}  # key -> {rank: the latest request id of its pushes held}
+        # key -> {rank: the latest request id of its loads held} (a row-sparse key's
+        # load_rows): apart from ``seen``, as a load is applied on arrival, before a round
+        # that holds an earlier push of the same rank
+        self.loads: dict = {}
 
     def hold(self, key: Hashable, home: int, members, acting: bool, arrivals=None) -> None:
         """A part of server ``home``'s is kept here (``acting``: and answered for here)."""
@@ -153,6 +157,16 @@ class Backup:
                 del self.passive[key]
                 out.append((key, members, self.rounds.get(key, 0), arrivals))
         return out
+
+    def loaded(self, key: Hashable, rank: int, request_id: int) -> None:
+        """A forwarded load of ``key`` by ``rank`` was applied here."""
+        held = self.loads.setdefault(key, {})
+        held[rank] = max(held.get(rank, 0), request_id)
+
+    def duplicate_load(self, key: Hashable, rank: int, request_id: int) -> bool:
+        """Whether a re-sent load of ``key`` is already held (answer it, never load again:
+        that would undo the rounds applied since)."""
+        return request_id <= self.loads.get(key, {}).get(rank, 0)
 
     def duplicate(self, key: Hashable, rank: int, request_id: int) -> bool:
         """Whether a re-sent push of ``key`` is already held (answer it, never apply it)."""

@@ -487,8 +487,8 @@ class Server:
                     why = self._apply_rows(action)
                     if why:
                         broken[action.key] = why
-                        if entry is not None:  # the backups count the round, apply nothing
-                            entry[4] = False
+                        if entry is not None:  # the backups must fail alike (_on_replica)
+                            entry[4], entry[5]["failed"] = False, why
                     continue
                 try:
                     self._apply(action, entry is not None)
@@ -578,7 +578,7 @@ class Server:
             )
         if self.chains is not None:
             if identity.startswith(b"server-"):
-                self._handle_peer(identity, frames[0], msg)
+                self._handle_peer(identity, frames, msg)
                 return
             epoch = msg.body.get("epoch")
             if type(epoch) is int and epoch > self.epoch:  # sent after a failover we have
@@ -1020,9 +1020,11 @@ class Server:
         """Note a round (or async push) about to be applied for the live backups of its key:
         its entry ``[key, part, accumulate, pushes held, applied]`` (None: no backups). A
         dense key's entry carries the round's input, its sum (one array, which becomes the
-        stored value: tracked); a row-sparse key's carries the pushes themselves, as
-        ``[[rank, normal], ...]`` in the order the round sums them, with their ids and rows
-        (two arrays each): a backup sums them as the primary does, to the same bits."""
+        stored value: tracked); a row-sparse key's carries the pushes themselves,
+        ``{"pushes": [[rank, normal], ...]}`` in the order the round sums them, with their ids
+        and rows (two arrays each): a backup sums them as the primary does, to the same bits
+        (and when the primary could not apply them, ``"failed"`` says why: the backup must
+        fail alike, or its copy is no longer the primary's)."""
         home = self.backup.home.get(action.key, self.rank)
         if not self._targets.get(home):
             return None
@@ -1031,7 +1033,7 @@ class Server:
         entry = [key, part, action.accumulate, held, True]
         if action.key in self.rows.tables:
             pushes = self.rows.next_pushes(action.key, action.accumulate)
-            entry.append([[rank, normal] for rank, _, _, normal in pushes])
+            entry.append({"pushes": [[rank, normal] for rank, _, _, normal in pushes]})
             arrays = []
             for _, ids, rows, _ in pushes:  # rows in a shared segment: copied, the worker
                 # writes it again once answered, and a lost backup's forward may still be read
@@ -1104,8 +1106,9 @@ class Server:
         for request in self.primary.drop(backup):
             self._reply(request)
 
-    def _handle_peer(self, identity: bytes, frame, msg: Message) -> None:
+    def _handle_peer(self, identity: bytes, frames: list, msg: Message) -> None:
         """A message on another server's replication link."""
+        frame = frames[0]
         match = _SERVER_ID.fullmatch(identity)
         peer = int(match[1]) if match else -1
         if not 0 <= peer < len(self.chains) or peer in self.dead:
@@ -1134,8 +1137,8 @@ class Server:
                 self._send(identity, Message("ack", msg.id, self.name))
             elif msg.kind == "replica":
                 epoch = msg.body.get("epoch")
-                if type(epoch) is int and epoch > self.epoch:  # a failover not heard of yet
-                    self._deferred.append((identity, [frame]))
+                if type(epoch) is int and epoch > self.epoch:  # a failover not heard of yet:
+                    self._deferred.append((identity, frames))  # kept whole, arrays and all
                     return
                 self._on_replica(identity, peer, msg)
             else:
@@ -1175,6 +1178,8 @@ class Server:
                 raise ValueError(f"replica: bad pushes {pushes!r:.80}")
             if key in self.rows.tables:
                 value = self._replica_rows(key, entry, arrays)
+                if "load" in value and (entry[2] or len(pushes) != 1):
+                    raise ValueError(f"replica: key {_show(key)}: a load is one worker's")
             elif len(entry) == 5:
                 value, stored = next(arrays, None), self.stored[key]
                 if value is None or value.dtype != stored.dtype or value.size != stored.size:
@@ -1190,31 +1195,55 @@ class Server:
             if key not in self.rows.tables:
                 if applied:  # else the primary could not apply it either: counted, not applied
                     self._apply(Apply(key, value, accumulate))
-            else:
-                why = self._apply_rows(Apply(key, None, accumulate), value if applied else None)
-                if why:  # this copy is behind its primary's now: refused, it is no replica
-                    raise RuntimeError(why)
+            elif "load" in value:  # load_rows, in its place among the rounds; no round
+                self._load_rows(key, value["load"], *value["rows"])
+                self.backup.loaded(key, *pushes[0])
+                continue
+            else:  # the same apply, even of a round the primary failed (a partial apply
+                # leaves the same partial state): the same outcome, or this copy is no replica
+                why = self._apply_rows(Apply(key, None, accumulate), value["pushes"])
+                if why != value.get("failed", ""):
+                    raise RuntimeError(
+                        f"key {_show(key)}: the copy here cannot follow its primary's "
+                        f"(there: {value.get('failed') or 'applied'}; here: {why or 'applied'})"
+                    )
             self.backup.received(key, accumulate, pushes)
         self._send(identity, Message("ack", msg.id, self.name))
 
-    def _replica_rows(self, key: tuple, entry: list, arrays) -> list:
-        """A forwarded round of a row-sparse key, checked: ``[(rank, ids, rows, normal)]``."""
-        table, pushes = self.rows.tables[key], entry[5] if len(entry) == 6 else None
-        if not isinstance(pushes, list) or not all(
-            isinstance(p, list) and len(p) == 2 and type(p[0]) is int and type(p[1]) is bool
-            for p in pushes
-        ):
-            raise ValueError(f"replica: key {_show(key)}: bad row pushes {pushes!r:.80}")
-        if entry[2] and len(pushes) != 1:
-            raise ValueError(f"replica: key {_show(key)}: an async push is one push")
-        out = []
-        for rank, normal in pushes:
+    def _replica_rows(self, key: tuple, entry: list, arrays) -> dict:
+        """A forwarded entry of a row-sparse key, checked: a round's ``{"pushes": [(rank,
+        ids, rows, normal)], "failed": why}``, or a load's ``{"load": step, "rows": (ids,
+        rows)}``."""
+        table, extra = self.rows.tables[key], entry[5] if len(entry) == 6 else None
+        if not isinstance(extra, dict):
+            raise ValueError(f"replica: key {_show(key)}: a row-sparse entry needs a map")
+
+        def rows_of():
             ids, rows = next(arrays, None), next(arrays, None)
             if rows is None:
-                raise ValueError(f"replica: key {_show(key)}: fewer arrays than pushes")
+                raise ValueError(f"replica: key {_show(key)}: fewer arrays than its entry says")
             self._check_rows(key, table.rows, table.dim, table.dtype, ids, rows, self._owned[key])
-            out.append((rank, ids, rows, normal))
-        return out
+            return ids, rows
+
+        if "load" in extra:
+            step = extra["load"]
+            if step is not None and (type(step) is not int or not 0 <= step < 2**31):
+                raise ValueError(f"replica: key {_show(key)}: bad load step {step!r:.40}")
+            return {"load": step, "rows": rows_of()}
+        pushes, failed = extra.get("pushes"), extra.get("failed", "")
+        if (
+            not isinstance(pushes, list)
+            or not all(
+                isinstance(p, list) and len(p) == 2 and type(p[0]) is int and type(p[1]) is bool
+                for p in pushes
+            )
+            or type(failed) is not str
+        ):
+            raise ValueError(f"replica: key {_show(key)}: bad row pushes {extra!r:.80}")
+        if entry[2] and len(pushes) != 1:
+            raise ValueError(f"replica: key {_show(key)}: an async push is one push")
+        out = [(rank, *rows_of(), normal) for rank, normal in pushes]
+        return {"pushes": out, "failed": failed}
 
     def _replicated_push(self, rank: int, msg: Message, grads: list, sync: bool):
         """A push under replicas: a re-sent one's keys already held are answered, not
@@ -1500,8 +1529,11 @@ class Server:
         self._execute(self.rounds.pull(Request(identity, msg), rank, keys))
 
     def _on_sparse_load(self, identity, rank, msg) -> None:
-        """With replicas every live server holding a copy of the part gets its own."""
-        keys = self._row_keys(msg, self._home_of(msg))
+        """``load_rows``. With replicas it is forwarded like a round, in its place among
+        them (a backup loads it where its primary did), and answered once the backups hold
+        it; a re-sent load the acting server already holds is answered, not loaded again (it
+        would undo the rounds applied since)."""
+        keys = self._row_keys(msg)
         if len(msg.arrays) != 2 * len(keys):
             raise ValueError(f"sparse_load: {len(keys)} keys need {2 * len(keys)} arrays")
         step = msg.body.get("step")
@@ -1509,19 +1541,33 @@ class Server:
             raise ValueError(f"sparse_load: step must be an int in [0, 2**31), got {step!r:.40}")
         for i, key in enumerate(keys):
             self._rows_of(key, msg.arrays[2 * i], msg.arrays[2 * i + 1])
+        forwards: dict | None = None if self.chains is None else {}
+        again = msg.body.get("resend") is True
         for i, key in enumerate(keys):
-            table = self.rows.tables[key]
-            if step is not None:
-                table.restore_step(step)
-            table.assign(msg.arrays[2 * i], msg.arrays[2 * i + 1])
-        self._send(identity, Message("ack", msg.id, self.name))
+            if again and self.backup.duplicate_load(key, rank, msg.id):
+                continue
+            ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
+            self._load_rows(key, step, ids, rows)
+            home = self.backup.home.get(key, self.rank)
+            if forwards is not None and self._targets.get(home):
+                entry = [key[0], key[1], False, [[rank, msg.id]], True, {"load": step}]
+                forwards.setdefault(home, []).append((entry, key, [ids, rows], False))
+        if forwards:
+            self._send_forwards(forwards)
+        for ready in self.primary.answer(Request(identity, msg), keys):
+            self._reply(ready)
+
+    def _load_rows(self, key: tuple, step: int | None, ids, rows) -> None:
+        table = self.rows.tables[key]
+        if step is not None:
+            table.restore_step(step)
+        table.assign(ids, rows)
 
     def _apply_rows(self, action: Apply, forwarded=()) -> str:
         """A round of a row-sparse key: sum its pushes by rank, update the touched rows.
         Returns why it failed ("" when it did not): the requests waiting for it are failed
         with that (the round's pushes are dropped; the next round applies as usual).
-        ``forwarded``: on a backup, the round's pushes as its primary forwarded them (None:
-        the primary could not apply the round; it is counted, not applied, as there)."""
+        ``forwarded``: on a backup, the round's pushes as its primary forwarded them."""
         key, sync = action.key, not action.accumulate
         table = self.rows.tables[key]
         which = "an async push" if action.accumulate else f"round {self.rows.rounds_done[key]}"
@@ -1529,12 +1575,7 @@ class Server:
             self.rows.add(key, self.rows.rounds_done[key], rank, ids, rows, sync, normal)
         up = self._updater_of(key)
         try:
-            if forwarded is None:
-                self.rows.skip(key, action.accumulate)
-                if up is not None:
-                    up.counts[key] = up.counts.get(key, 0) + 1
-                    up.num_update = max(up.num_update, up.counts[key])
-            elif up is None:
+            if up is None:
                 self.rows.apply(key, action.accumulate)
             else:
                 t = up.counts[key] = up.counts.get(key, 0) + 1
@@ -1553,7 +1594,7 @@ class Server:
 
     def _reply_rows(self, req: Request) -> None:
         msg = req.msg
-        if msg.kind == "sparse_push" and not msg.body.get("pull"):
+        if msg.kind == "sparse_load" or (msg.kind == "sparse_push" and not msg.body.get("pull")):
             self._send(req.identity, Message("ack", msg.id, self.name))
             return
         keys = [tuple(k) for k in msg.body["keys"]]

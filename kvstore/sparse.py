@@ -824,16 +824,6 @@ class SparseKeys:
             return self.arrivals[where][:1]
         return sorted(self.pending[where].get(self.rounds_done[where], []), key=lambda p: p[0])
 
-    def skip(self, where, accumulate: bool) -> None:
-        """Count the next round (or async push) of ``where`` without applying it: its
-        primary could not apply it either."""
-        if accumulate:
-            if self.arrivals[where]:
-                self.arrivals[where].pop(0)
-            return
-        self.pending[where].pop(self.rounds_done[where], None)
-        self.rounds_done[where] += 1
-
     def apply(self, where, accumulate: bool, optimizer=None, t: int = 1, lr: float = 0.0):
         """Apply the round now complete (with ``accumulate``: the next async push): the
         pushes summed in rank order, then :meth:`RowTable.apply`. Without an optimizer (and

@@ -59,9 +59,7 @@ _PULLING = frozenset({"pull", "pushpull", "sparse_pull"})  # and a sparse_push w
 _PUSHING = frozenset({"push", "pushpull", "sparse_push"})  # the requests a round counts
 # Requests every live replica of a part gets its own copy of (or that prove one connection):
 # after a failover, one to a dead server is not sent again.
-_FANNED_OUT = frozenset(
-    {"init", "optimizer", "set_states", "hello", "auth", "sparse_init", "sparse_load"}
-)
+_FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth", "sparse_init"})
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
@@ -1064,10 +1062,8 @@ class DistStore(KVStore):
         bounds = sparse.bounds_of(self._sparse[key].sharding, value.shape[0], n)
         for s, pos in enumerate(sparse.split_by_server(value.indices, n, bounds)):
             arrays = [value.indices[pos], np.ascontiguousarray(value.data[pos])]
-            for r in self._chains[s] if self._chains else [s]:  # each replica its own copy
-                if r not in self._dead:
-                    part = {**body, "keys": [[key, s]], "home": s}
-                    ids.append(self._send(r, "sparse_load", part, arrays))
+            # with replicas, to the server acting for s: it forwards the load to the backups
+            ids.append(self._send(s, "sparse_load", {**body, "keys": [[key, s]]}, arrays))
         self._wait("load_rows", ids)
 
     # ---- collective and control

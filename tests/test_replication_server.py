@@ -142,7 +142,7 @@ def test_r3_a_forward_before_the_failover_notice_is_not_refused():
     call(s1, 0, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)])
     assert s1.forwards, "server 1 forwards home 0's round to server 2"
     s2.gate = None
-    s2._handle_peer(b"server-1", None, s1.forwards[0][0])
+    s2._handle_peer(b"server-1", [None], s1.forwards[0][0])
     kinds = [m.kind for _, m in s2.sent]
     assert "error" not in kinds, [m.body for _, m in s2.sent]
 
@@ -158,3 +158,168 @@ def test_a_root_only_key_taken_over_keeps_its_root():
     call(s, 0, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)])
     call(s, 1, "push", {"keys": [K], "epoch": 1}, [np.full(4, 5.0, np.float32)])
     assert np.array_equal(s.stored[("kvt.root0.w", 0)], np.ones(4, np.float32)), s.stored
+
+
+# ---------------------------------------------------------------- row-sparse keys
+
+ROWS = (100_000, 4)
+
+
+def rows_server(W, rank, chains=((0, 1), (1, 0))):
+    from kvstore.compression import PullCodes
+
+    s = replicated_server(W, rank, chains)
+    s.pull_codes, s._owned, s._segments = PullCodes(), {}, {}
+    s.cfg.num_server = 1  # every id is every part's (hash sharding over one server)
+    return s
+
+
+def rows_call(s, rank, kind, body, arrays, msg_id):
+    handler = {
+        "sparse_init": s._on_sparse_init,
+        "sparse_push": s._on_sparse_push,
+        "sparse_load": s._on_sparse_load,
+    }[kind]
+    handler(f"worker-{rank}".encode(), rank, Message(kind, msg_id, f"worker-{rank}", body, arrays))
+
+
+def row_set(ids, value):
+    ids = np.array(ids, np.int64)
+    return [ids, np.full((ids.size, ROWS[1]), value, np.float32)]
+
+
+def rows_init(s, key, home, init=None):
+    from kvstore.sparse import zeros
+
+    meta = [ROWS[0], ROWS[1], "<f4", init or zeros()]
+    body = {"keys": [[key, home]], "meta": [meta], "home": home}
+    rows_call(s, 0, "sparse_init", body, row_set([], 0), 1)
+
+
+def deliver(primary, backup, peer=0) -> list:
+    """The primary's captured forwards, handled by the backup: the refusals (the errors its
+    replication link answers with, ``_handle_peer``)."""
+    refused = []
+    for msg, arrays in primary.forwards:
+        try:
+            backup._on_replica(
+                f"server-{peer}".encode(),
+                peer,
+                Message(msg.kind, msg.id, msg.sender, msg.body, arrays),
+            )
+        except Exception as exc:
+            refused.append(str(exc))
+    primary.forwards.clear()
+    return refused
+
+
+def table_state(s, key) -> tuple:
+    t = s.rows.tables[key]
+    return t.step, t.ids.tolist(), t.block[t.slots].tobytes(), t.changed[t.slots].tolist()
+
+
+def test_a_row_round_the_primary_could_not_apply_must_fail_alike_on_the_backup():
+    """A round that raises part way (a MemoryError, the 2**31-row limit) has already moved
+    the table's step, evicted and written rows on the primary. A backup that only counted it
+    stayed a step behind for good, and evicted other rows. Now the backup applies the same
+    pushes: failing the same way keeps it in step; applying them where the primary could not
+    makes it refuse (it is no replica any more)."""
+    from kvstore.sparse import zeros
+
+    spec = {**zeros(), "evict_after": 4}
+    key = ("e", 0)
+    for fails_on_backup_too in (True, False):
+        p, b = rows_server(2, 0), rows_server(2, 1)
+        for s in (p, b):
+            rows_init(s, "e", 0, spec)
+        ids = iter(range(100, 200))
+
+        def round_(rows0, rows1, p=p, b=b, ids=ids):
+            for rank, r in enumerate((rows0, rows1)):
+                body = {"keys": [list(key)], "sync": True}
+                rows_call(p, rank, "sparse_push", body, row_set(r, 1.0 + rank), next(ids))
+            return deliver(p, b)
+
+        assert round_([1], [2]) == []
+        broken = [s.rows.tables[key] for s in ((p, b) if fails_on_backup_too else (p,))]
+        for t in broken:
+            t._create = lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room"))
+        errors = round_([5], [6])
+        for t in broken:
+            del t._create
+        if not fails_on_backup_too:
+            assert errors and "cannot follow its primary" in errors[0], errors
+            continue
+        assert errors == [], errors
+        for i in range(8):  # evictions, every other round, at the same steps
+            assert round_([10 + i], []) == []
+            assert table_state(b, key) == table_state(p, key), i
+
+
+def test_a_deferred_forward_keeps_its_arrays():
+    """S=3, R=2: server 0 dies; server 1 forwards a round of its own part, stamped with the
+    new epoch, to server 2 before server 2 processed the failover. The forward waited with
+    its header frame only: replayed, it had no arrays, server 2 refused it, was dropped as a
+    replica and failed over, and the job lost home 2's chain."""
+    from kvstore.protocol import encode_frames
+
+    chains = ((0, 1), (1, 2), (2, 0))
+    s1, s2 = rows_server(2, 1, chains), rows_server(2, 2, chains)
+    key = ["e", 1]
+    for s in (s1, s2):
+        rows_init(s, "e", 1)
+    _failover(s1, 1, [0])
+    s1._peer_ready = {2: True}
+    ids = np.arange(3000, dtype=np.int64)  # rows over 16 KiB: a frame of their own
+    for rank in range(2):
+        body = {"keys": [key], "sync": True, "epoch": 1}
+        rows_call(s1, rank, "sparse_push", body, [ids, np.ones((3000, 4), np.float32)], 50 + rank)
+    msg, arrays = s1.forwards[0]
+    frames, _ = encode_frames(Message(msg.kind, msg.id, msg.sender, msg.body, arrays))
+    assert len(frames) > 1
+    s2.sent.clear()
+    s2._handle(b"server-1", frames)  # before its failover notice: deferred
+    assert not s2.sent
+    _failover(s2, 1, [0])  # the notice: the forward is handled now
+    assert [m.kind for _, m in s2.sent] == ["ack"], [m.body for _, m in s2.sent]
+    assert table_state(s2, ("e", 1)) == table_state(s1, ("e", 1))
+
+
+def test_load_rows_is_forwarded_in_order_and_never_applied_twice():
+    """load_rows went to each replica on its own, so a backup could load before a round
+    its primary applied first. Now the primary forwards it in its place. After a failover a
+    re-sent load the backup holds is answered, not loaded again (that would undo the rounds
+    since), and a re-sent push older than a held load is still applied (a load does not
+    count as holding the rank's earlier pushes)."""
+    W, key = 2, ("e", 0)
+    p, b = rows_server(W, 0), rows_server(W, 1)
+    for s in (p, b):
+        rows_init(s, "e", 0)
+    sync = {"keys": [list(key)], "sync": True}
+    rows_call(p, 0, "sparse_push", sync, row_set([5, 6], 1.0), 10)  # round 0 waits for 1
+    rows_call(p, 0, "sparse_load", {"keys": [list(key)]}, row_set([5, 9], 7.0), 11)
+    rows_call(p, 1, "sparse_push", sync, row_set([5], 2.0), 20)  # round 0 applied: 5 -> 3
+    assert deliver(p, b) == []
+    assert table_state(b, key) == table_state(p, key)
+    read = b.rows.tables[key].read
+    assert read(np.array([5, 6, 9]))[:, 0].tolist() == [3.0, 1.0, 7.0]
+    # the primary dies before answering the load: worker 0 re-sends it to the backup
+    _failover(b, 1, [0])
+    again = {"keys": [list(key)], "resend": True, "epoch": 1}
+    b.sent.clear()
+    rows_call(b, 0, "sparse_load", again, row_set([5, 9], 7.0), 11)
+    assert read(np.array([5]))[:, 0].tolist() == [3.0], "the re-sent load undid round 0"
+    assert [m.kind for _, m in b.sent] == ["ack"]
+
+    # another primary died holding round 0 open (push 10) after forwarding a load (id 11)
+    p, b = rows_server(W, 0), rows_server(W, 1)
+    for s in (p, b):
+        rows_init(s, "e", 0)
+    rows_call(p, 0, "sparse_push", sync, row_set([5], 1.0), 10)
+    rows_call(p, 0, "sparse_load", {"keys": [list(key)]}, row_set([9], 7.0), 11)
+    assert deliver(p, b) == []
+    _failover(b, 1, [0])
+    rows_call(b, 0, "sparse_push", {**sync, "resend": True, "epoch": 1}, row_set([5], 1.0), 10)
+    rows_call(b, 1, "sparse_push", {**sync, "epoch": 1}, row_set([5], 2.0), 20)
+    assert b.rows.tables[key].read(np.array([5]))[:, 0].tolist() == [3.0]
+    assert b.rows.rounds_done[key] == 1
