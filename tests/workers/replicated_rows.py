@@ -4,8 +4,9 @@ an optimizer, of the optimizer state the servers give back. The hash must not de
 timing, on KVSTORE_REPLICAS, nor on a server killed or frozen on the way.
 
 argv: steps, optimizer (none | sgd | adam), call (pushpull | push: a push, then a
-row_sparse_pull of the same rows). Every worker prints "step N at T" as it goes, so a test
-can kill a server mid-run.
+row_sparse_pull of the same rows). The hash covers each table's step and the rows changed in
+its last rounds too, and one table admits and evicts rows. Every worker prints "step N at T"
+as it goes, so a test can kill a server mid-run.
 """
 
 import hashlib
@@ -30,6 +31,9 @@ start = np.arange(0, cat[0], 7)
 kv.init(
     "cat", RowSparse(start, np.full((start.size, cat[1]), 0.25, np.float32), cat, None, "range")
 )
+# admission (a row stored from its 2nd round) and eviction (after 6 rounds untouched)
+adm = (3_000, 4)
+kv.init("adm", RowSparse.empty(adm, np.float32, admit_after=2, evict_after=6))
 kv.init("w", np.full(7, 0.5, np.float32))
 if rank == 0:  # rows loaded into every replica (a checkpoint's), before training
     loaded = np.arange(3, cat[0], 11)
@@ -54,7 +58,7 @@ def grad(shape, step, salt):
 out_w = np.empty(7, np.float32)
 for step in range(steps):
     time.sleep(delays.choice([0, 0, 0.002, 0.01, 0.03]))
-    for name, shape, salt in (("emb", emb, 1), ("cat", cat, 2)):
+    for name, shape, salt in (("emb", emb, 1), ("cat", cat, 2), ("adm", adm, 3)):
         g = grad(shape, step, salt)
         out = RowSparse.empty(shape, np.float32)
         if call == "push":
@@ -68,9 +72,11 @@ for step in range(steps):
     print(f"step {step} at {time.time():.3f}", flush=True)
 digest = hashlib.sha256()
 stats = kv.server_stats()  # each part counted once: by its primary, or whoever took it over
-for name in ("emb", "cat"):
-    rows, _ = kv.save_rows(name)
-    digest.update(rows.indices.tobytes() + rows.data.tobytes())
+for name in ("emb", "cat", "adm"):
+    rows, step = kv.save_rows(name)  # the step too: every copy counted the same rounds
+    digest.update(rows.indices.tobytes() + rows.data.tobytes() + str(step).encode())
+    changed, _ = kv.save_rows(name, since=step - 3)  # and stamped its rows alike
+    digest.update(changed.indices.tobytes())
     counted = sum(s["rows"][name]["rows"] for s in stats)
     assert counted == rows.nnz, (name, counted, rows.nnz, stats)
 kv.pull("w", out=out_w)
