@@ -138,6 +138,7 @@ class Membership:
         self._round_logs: dict[str, float] = {}  # a stalled round -> when it is logged next
         self.epoch = 0  # one more at every failover
         self.dead: list[int] = []  # the ranks of the servers failed over, in order
+        self.failover_epoch = 0  # the epoch of the last failover (a newcomer's book says)
         self.history: list[dict] = []  # the failovers: epoch, server, why (the status page)
         self.chains: list = []  # server rank -> the servers holding its parts (from the book)
         # elastic workers (KVSTORE_MIN_WORKERS): slots 0..num_worker-1, each held by at most one
@@ -770,6 +771,7 @@ class Membership:
         node.failed, node.finalized = reason, True  # no deadline of its again
         self.dead.append(node.rank)
         self.epoch += 1
+        self.failover_epoch = self.epoch
         dead = set(self.dead)
         self.history.append({"epoch": self.epoch, "server": node.rank, "why": reason})
         body = {"epoch": self.epoch, "dead": list(self.dead), "reason": reason}
@@ -876,6 +878,8 @@ class Membership:
             "present": self._present(),
             "epoch": self.epoch,
         }
+        if self.dead:  # servers failed over before it came: it sends to their replicas
+            book["failover"] = {"epoch": self.failover_epoch, "dead": list(self.dead)}
         change = {"epoch": self.epoch, "present": self._present(), "joined": node.rank}
         return [
             Log(logging.INFO, f"epoch {self.epoch}: {node.name} joined"),

@@ -231,6 +231,9 @@ class DistStore(KVStore):
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._control.pipe, zmq.POLLIN)
+        failover = book.body.get("failover")  # an elastic newcomer after servers failed over
+        if self._chains and failover:
+            self._fail_over(failover["epoch"], set(failover["dead"]))
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._answers: dict[str, Message] = {}  # control answers (barrier_done, ...) by kind
@@ -293,7 +296,8 @@ class DistStore(KVStore):
                 body = {"host": shm.host_id(), "probe": probe.name, "nonce": nonce}
             except OSError as exc:  # no room, or no /dev/shm to write: TCP
                 log.info("no shared memory (%s); every part goes through TCP", exc)
-        ids = [self._send(s, "hello", body, on_reply=answer(s)) for s in range(len(self._servers))]
+        live = [s for s in range(len(self._servers)) if s not in self._dead]
+        ids = [self._send(s, "hello", body, on_reply=answer(s)) for s in live]
         try:
             self._wait("kvstore.create (hello)", ids)
         finally:
@@ -605,14 +609,7 @@ class DistStore(KVStore):
         epoch, dead = msg.body["epoch"], set(msg.body["dead"])
         if not self._chains or epoch <= self._epoch:
             return False
-        newly = dead - self._dead
-        self._epoch, self._dead = epoch, dead
-        for server in range(len(self._servers)):
-            self._route[server] = acting(server, self._chains, dead)
-        for server in newly:
-            sock = self._sockets[server]
-            self._poller.unregister(sock)
-            sock.close(linger=0)
+        newly = self._fail_over(epoch, dead)
         again = []
         for msg_id, request in sorted(self._requests.items()):
             if request.sent_to not in newly:
@@ -631,6 +628,19 @@ class DistStore(KVStore):
         for request in again:
             self._resend(request)
         return True
+
+    def _fail_over(self, epoch: int, dead: set) -> set:
+        """Route every server's requests to the live replica acting for it from ``epoch``
+        on, and close the sockets of the newly dead; returns them."""
+        newly = dead - self._dead
+        self._epoch, self._dead = epoch, dead
+        for server in range(len(self._servers)):
+            self._route[server] = acting(server, self._chains, dead)
+        for server in newly:
+            sock = self._sockets[server]
+            self._poller.unregister(sock)
+            sock.close(linger=0)
+        return newly
 
     def _resend(self, request: _Request) -> None:
         """Send a request again, to the server now acting for its own, over TCP."""

@@ -396,12 +396,14 @@ def _launch_elastic(
     script="elastic_counter.py",
     args=("50", "0.05"),
     server_too=False,
+    server_first=False,
     **env,
 ) -> str:
     """Launch an elastic job (-n 2:3) of ``script`` (in tests/workers, or a path) with ``args``;
     kill worker 1 once ``kill_after`` is printed (and
     with ``server_too`` server 1 when the newcomer starts, so that it registers while the
-    servers fail over)."""
+    servers fail over; with ``server_first`` server 1 first, and worker 1 once the servers
+    failed over, so that its newcomer comes after the failover)."""
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), **env)
     script = ROOT / "tests" / "workers" / script
     proc = subprocess.Popen(
@@ -418,9 +420,13 @@ def _launch_elastic(
     try:
         for line in proc.stdout:  # bounded: the launcher's own deadline below ends it
             seen.append(line)
-            if not killed and kill_after in line:
+            if not killed and kill_after in line and server_first != "killed":
+                victim = "server 1" if server_first else "worker 1"
+                os.kill(started_pids("".join(seen))[victim], 9)
+                killed, server_first = not server_first, "killed" if server_first else False
+            if server_first == "killed" and "failover to epoch" in line:
                 os.kill(started_pids("".join(seen))["worker 1"], 9)
-                killed = True
+                killed, server_first = True, False
             if server_too and killed and line.startswith("launch: started worker 1 "):
                 server_too = False
                 os.kill(started_pids("".join(seen))["server 1"], 9)
@@ -508,6 +514,27 @@ def test_a_newcomer_registering_while_the_servers_fail_over(tmp_path):
     for rank in "02":  # the survivors: all three in both parts, step after step
         mine = "".join("3" if r[1:] == ("3", "3", "3") else "." for r in rows if r[0] == rank)
         assert "33333" in mine, (rank, mine)
+
+
+def test_a_newcomer_after_a_failover_sends_to_the_replicas(tmp_path):
+    """Server 1 is killed and failed over; then worker 1 is killed, and its newcomer's book
+    names the dead server. It used to send its hello to the dead server and wait there for
+    KVSTORE_TIMEOUT (600 s), then fail; every newcomer after it did the same. Now it sends to
+    server 0, which answers for both, and joins the rounds: of a dense key cut into parts
+    on both servers and of a row-sparse key."""
+    for args in (("60", "0.05", "4096"), ("60", "0.05", "64", "rows")):
+        out = _launch_elastic(
+            tmp_path,
+            "[worker 0] step 10 ",
+            launcher=("-s", "2", "--replicas", "2"),
+            args=args,
+            server_first=True,
+            KVSTORE_BIGARRAY_BOUND="1000",
+            KVSTORE_TIMEOUT="60",
+        )
+        assert "failover to epoch" in out and "[worker 1] late: slot 1" in out, out
+        after = out.split("[worker 1] late")[1]
+        assert re.search(r"\[worker 1\] step \d+ value 3 workers 3 .* min 3 max 3", after), out
 
 
 def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
