@@ -805,7 +805,7 @@ class Membership:
 
     def _fence(self, node: Node) -> list:
         """A server failed over speaks again (it was frozen, not dead): it must not serve."""
-        epoch = self.dead.index(node.rank) + 1
+        epoch = next(h["epoch"] for h in self.history if h.get("server") == node.rank)
         text = (
             f"{node.name} was failed over in epoch {epoch} (its replicas answer for its keys "
             "now) and is fenced: it must exit"

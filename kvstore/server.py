@@ -1196,7 +1196,12 @@ class Server:
                 if applied:  # else the primary could not apply it either: counted, not applied
                     self._apply(Apply(key, value, accumulate))
             elif "load" in value:  # load_rows, in its place among the rounds; no round
-                self._load_rows(key, value["load"], *value["rows"])
+                why = self._load_rows(key, value["load"], *value["rows"])
+                if why != value["failed"]:
+                    raise RuntimeError(
+                        f"key {_show(key)}: the copy here cannot follow its primary's load "
+                        f"(there: {value['failed'] or 'loaded'}; here: {why or 'loaded'})"
+                    )
                 self.backup.loaded(key, *pushes[0])
                 continue
             else:  # the same apply, even of a round the primary failed (a partial apply
@@ -1229,7 +1234,10 @@ class Server:
             step = extra["load"]
             if step is not None and (type(step) is not int or not 0 <= step < 2**31):
                 raise ValueError(f"replica: key {_show(key)}: bad load step {step!r:.40}")
-            return {"load": step, "rows": rows_of()}
+            failed = extra.get("failed", "")
+            if type(failed) is not str:
+                raise ValueError(f"replica: key {_show(key)}: bad load {extra!r:.80}")
+            return {"load": step, "rows": rows_of(), "failed": failed}
         pushes, failed = extra.get("pushes"), extra.get("failed", "")
         if (
             not isinstance(pushes, list)
@@ -1542,26 +1550,38 @@ class Server:
         for i, key in enumerate(keys):
             self._rows_of(key, msg.arrays[2 * i], msg.arrays[2 * i + 1])
         forwards: dict | None = None if self.chains is None else {}
-        again = msg.body.get("resend") is True
+        again, failed = msg.body.get("resend") is True, ""
         for i, key in enumerate(keys):
             if again and self.backup.duplicate_load(key, rank, msg.id):
                 continue
             ids, rows = msg.arrays[2 * i], msg.arrays[2 * i + 1]
-            self._load_rows(key, step, ids, rows)
+            why = self._load_rows(key, step, ids, rows)
+            failed = failed or why
             home = self.backup.home.get(key, self.rank)
             if forwards is not None and self._targets.get(home):
-                entry = [key[0], key[1], False, [[rank, msg.id]], True, {"load": step}]
+                load = {"load": step, "failed": why} if why else {"load": step}
+                entry = [key[0], key[1], False, [[rank, msg.id]], not why, load]
                 forwards.setdefault(home, []).append((entry, key, [ids, rows], False))
         if forwards:
             self._send_forwards(forwards)
+        if failed:
+            raise RuntimeError(f"load_rows failed: {failed}")
         for ready in self.primary.answer(Request(identity, msg), keys):
             self._reply(ready)
 
-    def _load_rows(self, key: tuple, step: int | None, ids, rows) -> None:
+    def _load_rows(self, key: tuple, step: int | None, ids, rows) -> str:
+        """Load rows (and a step) into ``key``'s table; why it failed part way, if it did
+        (MemoryError, the 2**31-row limit: the step may have moved, some rows made): a
+        backup loads the same and must fail alike."""
         table = self.rows.tables[key]
-        if step is not None:
-            table.restore_step(step)
-        table.assign(ids, rows)
+        try:
+            if step is not None:
+                table.restore_step(step)
+            table.assign(ids, rows)
+        except Exception as exc:
+            log.exception("%s: load_rows of %s failed", self.name, _show(key))
+            return f"{type(exc).__name__}: {exc}"
+        return ""
 
     def _apply_rows(self, action: Apply, forwarded=()) -> str:
         """A round of a row-sparse key: sum its pushes by rank, update the touched rows.

@@ -61,6 +61,16 @@ _PUSHING = frozenset({"push", "pushpull", "sparse_push"})  # the requests a roun
 # after a failover, one to a dead server is not sent again.
 _FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth", "sparse_init"})
 
+
+def request_ids(arrival: int) -> Iterator[int]:
+    """A worker's request ids, unique across the holders of a slot: a newcomer (``arrival``:
+    the membership epoch it took its slot in) starts past any id its predecessors could have
+    used, so the servers' records of the requests of each slot they hold (with replicas:
+    ``Backup.duplicate``, ``Backup.duplicate_load``) never take a newcomer's re-sent request
+    for one of its predecessor's. 2**40 requests a holder; ids stay below 2**62."""
+    return itertools.count((arrival << 40) + 1)
+
+
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
 # the worker as failed (naming the exception) instead of finished.
 _ending: list[str] = []
@@ -234,7 +244,7 @@ class DistStore(KVStore):
         failover = book.body.get("failover")  # an elastic newcomer after servers failed over
         if self._chains and failover:
             self._fail_over(failover["epoch"], set(failover["dead"]))
-        self._ids = itertools.count(1)
+        self._ids = request_ids(self._arrival)
         self._requests: dict[int, _Request] = {}
         self._answers: dict[str, Message] = {}  # control answers (barrier_done, ...) by kind
         self._control_handlers = {

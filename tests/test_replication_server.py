@@ -323,3 +323,65 @@ def test_load_rows_is_forwarded_in_order_and_never_applied_twice():
     rows_call(b, 1, "sparse_push", {**sync, "epoch": 1}, row_set([5], 2.0), 20)
     assert b.rows.tables[key].read(np.array([5]))[:, 0].tolist() == [3.0]
     assert b.rows.rounds_done[key] == 1
+
+
+def test_a_newcomer_s_resent_push_and_load_are_not_taken_for_its_predecessor_s():
+    """A slot's newcomer numbered its requests from 1 again, while a backup keeps, per slot,
+    the latest request id of the pushes and loads it holds: a newcomer's push or load lost
+    with a dead primary and re-sent was "already held" (an id below its predecessor's), so
+    answered and never applied. Its ids now start past any its predecessors could use."""
+    from kvstore.worker import request_ids
+
+    W, key = 2, ("e", 0)
+    p, b = rows_server(W, 0), rows_server(W, 1)
+    for s in (p, b):
+        rows_init(s, "e", 0)
+    first, newcomer = request_ids(0), request_ids(3)  # slot 1's holders: the first, epoch 3's
+    for _ in range(500):  # the first holder's ids run on
+        old = next(first)
+    sync = {"keys": [list(key)], "sync": True}
+    rows_call(p, 0, "sparse_push", sync, row_set([1], 1.0), 100)
+    rows_call(p, 1, "sparse_push", sync, row_set([1], 2.0), old)
+    rows_call(p, 1, "sparse_load", {"keys": [list(key)]}, row_set([9], 5.0), next(first))
+    assert deliver(p, b) == []
+    # the newcomer: a push of round 1, then a load; the primary applies both and dies
+    pushed, loaded = next(newcomer), next(newcomer)
+    rows_call(p, 0, "sparse_push", sync, row_set([1], 1.0), 101)
+    rows_call(p, 1, "sparse_push", sync, row_set([1], 4.0), pushed)
+    p.forwards.clear()  # lost with the primary
+    _failover(b, 1, [0])
+    again = {**sync, "resend": True, "epoch": 1}
+    rows_call(b, 0, "sparse_push", again, row_set([1], 1.0), 101)
+    rows_call(b, 1, "sparse_push", again, row_set([1], 4.0), pushed)
+    assert b.rows.rounds_done[key] == 2, "the newcomer's re-sent push was taken as held"
+    assert b.rows.tables[key].read(np.array([1]))[:, 0].tolist() == [5.0]
+    load = {"keys": [list(key)], "resend": True, "epoch": 1}
+    rows_call(b, 1, "sparse_load", load, row_set([9], 7.0), loaded)
+    assert b.rows.tables[key].read(np.array([9]))[:, 0].tolist() == [7.0]
+
+
+def test_a_load_the_primary_could_not_finish_must_fail_alike_on_the_backup():
+    """load_rows moves the table's step, then creates rows: one that raises part way (a
+    MemoryError) left the primary's step moved and forwarded nothing, so the backup's step
+    (and its evictions, save_rows' steps) differed. Now the load is forwarded with why it
+    failed; the backup must fail alike, or refuses (it is no replica any more)."""
+    import pytest
+
+    key = ("e", 0)
+    for fails_on_backup_too in (True, False):
+        p, b = rows_server(2, 0), rows_server(2, 1)
+        for s in (p, b):
+            rows_init(s, "e", 0)
+        broken = [s.rows.tables[key] for s in ((p, b) if fails_on_backup_too else (p,))]
+        for t in broken:
+            t._create = lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room"))
+        body = {"keys": [list(key)], "step": 50}
+        with pytest.raises(RuntimeError, match="load_rows failed: MemoryError: no room"):
+            rows_call(p, 0, "sparse_load", body, row_set([5, 6], 7.0), 10)
+        errors = deliver(p, b)
+        if fails_on_backup_too:
+            assert errors == [], errors
+            assert table_state(b, key) == table_state(p, key)
+            assert p.rows.tables[key].step == 50
+        else:
+            assert errors and "cannot follow its primary's load" in errors[0], errors
