@@ -2,13 +2,17 @@
 ``Server`` (as ``tests/test_sparse_server.py`` makes one) whose forwards are captured, and the
 scheduler's state machine. Each test is a scenario a review found broken (join after a
 failover, a forwarded sum reused while in flight, a forward that arrives before its
-failover notice, a broadcast key taken over).
+failover notice, a broadcast key taken over; for row-sparse keys: a failed round or load, a
+deferred forward's arrays, loads in order and re-sent, a newcomer's request ids), and a
+property test drives a row-sparse primary and its backup through any interleaving.
 """
 
 import time
 from types import SimpleNamespace
 
 import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvstore.membership import Broadcast, Membership, Send
 from kvstore.protocol import Message
@@ -385,3 +389,60 @@ def test_a_load_the_primary_could_not_finish_must_fail_alike_on_the_backup():
             assert p.rows.tables[key].step == 50
         else:
             assert errors and "cannot follow its primary's load" in errors[0], errors
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_a_row_sparse_backup_holds_its_primary_s_bits_under_any_interleaving(data):
+    """Pushes (rounds ahead of each other, repeated and empty row sets, sync or async), loads
+    (with a step) and the forwards' deliveries in any order, with or without an optimizer,
+    admission and eviction: once the forwards are delivered, the backup's table is its
+    primary's, bit for bit (rows, steps, changed stamps, optimizer state, update counts)."""
+    from kvstore import optimizer as opt
+    from kvstore.sparse import zeros
+
+    W = data.draw(st.integers(2, 3), label="W")
+    spec = {**zeros(), **data.draw(st.sampled_from([{}, {"admit_after": 2}, {"evict_after": 3}]))}
+    optimizer = data.draw(st.sampled_from([None, "sgd", "adam"]), label="optimizer")
+    sync = data.draw(st.booleans(), label="sync")
+    p, b = rows_server(W, 0), rows_server(W, 1)
+    key = ("e", 0)
+    for s in (p, b):
+        rows_init(s, "e", 0, spec)
+    if optimizer:
+        made = {
+            "sgd": lambda: opt.SGD(learning_rate=0.1, momentum=0.9),
+            "adam": lambda: opt.Adam(learning_rate=0.01),
+        }[optimizer]
+        p.updater, b.backup_updaters = opt.Updater(made()), {0: opt.Updater(made())}
+    ids = iter(range(1, 10**6))
+    pushes = [0] * W
+    row_ids = st.lists(st.integers(0, 40), max_size=6).map(lambda x: sorted(set(x)))
+    for _ in range(data.draw(st.integers(1, 25), label="steps")):
+        what = data.draw(st.sampled_from(["push", "push", "push", "load", "deliver"]))
+        rank = data.draw(st.integers(0, W - 1))
+        if what == "push":
+            rows = data.draw(row_ids)
+            value = data.draw(st.sampled_from([-0.0, 0.1, 0.7, 1e-8, 3.3, -2.9]))
+            body = {"keys": [list(key)], "sync": sync}
+            rows_call(p, rank, "sparse_push", body, row_set(rows, value), next(ids))
+            pushes[rank] += 1
+        elif what == "load":
+            step = data.draw(st.sampled_from([None, 0, 5, 20]))
+            body = {"keys": [list(key)], **({} if step is None else {"step": step})}
+            rows_call(p, rank, "sparse_load", body, row_set(data.draw(row_ids), 0.5), next(ids))
+        else:
+            assert deliver(p, b) == []
+    if sync:  # every rank's rounds complete
+        for rank in range(W):
+            while pushes[rank] < max(pushes):
+                body = {"keys": [list(key)], "sync": True}
+                rows_call(p, rank, "sparse_push", body, row_set([], 0), next(ids))
+                pushes[rank] += 1
+    assert deliver(p, b) == []
+    assert table_state(b, key) == table_state(p, key)
+    tp, tb = p.rows.tables[key], b.rows.tables[key]
+    assert [s[tp.slots].tobytes() for s in tp.states] == [s[tb.slots].tobytes() for s in tb.states]
+    assert tp.cand_ids.tolist() == tb.cand_ids.tolist()
+    if optimizer:
+        assert p.updater.counts == b.backup_updaters[0].counts
