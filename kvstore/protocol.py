@@ -28,8 +28,9 @@ array([1., 1.], dtype=float32)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import accumulate, pairwise
+from itertools import accumulate, count, pairwise
 
 import msgpack
 import numpy as np
@@ -115,6 +116,27 @@ SCHEMA: dict[str, dict[str, tuple]] = {
 # kinds whose arrays are one per key
 _KEYED_ARRAYS = {"init", "push", "pushpull", "data"}
 _DTYPE_KINDS = "biufc"  # numbers only: never an object dtype off the wire
+
+
+HOLDER_BITS = 40  # a request id is (the holder's arrival epoch << 40) + its count
+
+
+def request_ids(arrival: int) -> Iterator[int]:
+    """A worker's request ids, unique across the holders of a slot: a newcomer (``arrival``:
+    the membership epoch it took its slot in) starts past any id its predecessors could have
+    used, so the servers' records of the requests of each slot they hold (with replicas:
+    ``Backup.duplicate``, ``Backup.duplicate_load``) never take a newcomer's re-sent request
+    for one of its predecessor's. 2**40 requests a holder; ids stay below 2**62.
+
+    >>> arrival_of(next(request_ids(3)))
+    3
+    """
+    return count((arrival << HOLDER_BITS) + 1)
+
+
+def arrival_of(request_id: int) -> int:
+    """The arrival epoch of the slot holder that sent ``request_id`` (0: a first holder)."""
+    return request_id >> HOLDER_BITS
 
 
 class ProtocolError(ValueError):

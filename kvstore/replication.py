@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
+from .protocol import arrival_of
+
 
 class Primary:
     """A primary's side: the pushes each forward holds, the forwards each backup has not yet
@@ -157,6 +159,12 @@ class Backup:
                 del self.passive[key]
                 out.append((key, members, self.rounds.get(key, 0), arrivals))
         return out
+
+    def not_pushed(self, key: Hashable, newcomers: dict) -> set:
+        """The newcomers (``{slot: arrival epoch}``) with no push of ``key`` in the rounds held
+        here: a request id says which holder of its slot sent it (:func:`arrival_of`)."""
+        seen = self.seen.get(key, {})
+        return {r for r, epoch in newcomers.items() if arrival_of(seen.get(r, 0)) < epoch}
 
     def loaded(self, key: Hashable, rank: int, request_id: int) -> None:
         """A forwarded load of ``key`` by ``rank`` was applied here."""

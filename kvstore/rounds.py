@@ -150,6 +150,9 @@ class Rounds:
         self.left: set[int] = set()  # elastic jobs: slots no worker holds now
         self._arrived = False  # a slot was taken mid-job: rounds are not counted by pushes
         self.arrived_at: dict[int, int] = {}  # slot -> the membership epoch its holder came
+        # slot -> arrival epoch of the newcomers that may still be absent from a key (arrive,
+        # until enter or leave): a key a replica takes over needs them (add_key's absent)
+        self.newcomers: dict[int, int] = {}
         # newcomers seen in a completed round of this server: slot -> its arrival epoch (the
         # server's replies say so; see expect)
         self.entered: dict[int, int] = {}
@@ -157,17 +160,24 @@ class Rounds:
         self._requests: dict[Any, int] = {}  # request -> keys it still waits for
 
     # ---- keys
-    def add_key(self, key: Hashable, members=None, rounds: int = 0, arrivals=None) -> None:
+    def add_key(
+        self, key: Hashable, members=None, rounds: int = 0, arrivals=None, absent=()
+    ) -> None:
         """``members``: the ranks of a group's key (Horovod's process sets): its rounds are
         complete when every member has pushed; other ranks may not push or pull it.
         ``rounds``: the key has had that many rounds elsewhere (a replica taking over), so
         every rank's next push goes to round ``rounds``. ``arrivals``: per member, when the
         holder of its slot that made the group came (an elastic job's generation): a slot
-        held by another worker since is out of the group, as if it had come later."""
+        held by another worker since is out of the group, as if it had come later.
+        ``absent``: newcomers (of :attr:`newcomers`) out of the key's rounds until their first
+        push of it, as :meth:`arrive` leaves them (a replica taking over: those whose pushes
+        of the key it holds none of)."""
         if key in self.keys:
             raise ValueError(f"key {key!r} is already initialised")
         state = _Key(key, [rounds] * self.num_workers, last_push=[-1.0] * self.num_workers)
         state.done = rounds
+        if members is None:
+            state.absent = {r for r in absent if r in self.newcomers}
         if members is not None:
             state.members = tuple(sorted(members))
             out = set(range(self.num_workers)) - set(members)
@@ -318,6 +328,7 @@ class Rounds:
         self.left.add(rank)
         self.joined_ranks.discard(rank)
         self.entered.pop(rank, None)
+        self.newcomers.pop(rank, None)
         for key in list(self._open):
             state = self.keys[key]
             out = rank in state.outsiders
@@ -339,6 +350,7 @@ class Rounds:
         self.left.discard(rank)
         self._arrived = True
         self.arrived_at[rank] = epoch
+        self.newcomers[rank] = epoch
         self.entered.pop(rank, None)
         for key, state in self.keys.items():
             if state.members is not None:
@@ -581,6 +593,7 @@ class Rounds:
         push of each (kvstore.elastic's reset: the workers of the new membership meet, then
         go on in step). An open round goes on without it (as a zero); the next has it."""
         actions: list = []
+        self.newcomers.pop(rank, None)
         for key, state in self.keys.items():
             if rank not in state.absent:
                 continue

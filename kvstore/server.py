@@ -1288,8 +1288,9 @@ class Server:
             h: [b for b in self.chains[h] if b != self.rank and b not in dead] for h in mine
         }
         taken = self.backup.take_over(set(mine))
-        for key, members, rounds, arrivals in taken:
-            self.rounds.add_key(key, members, rounds, arrivals)
+        for key, members, rounds, arrivals in taken:  # (newcomers: as arrive left them)
+            absent = self.backup.not_pushed(key, self.rounds.newcomers)
+            self.rounds.add_key(key, members, rounds, arrivals, absent)
             self.primary.start(key, rounds)
         self._connect_peers()
         log.warning(

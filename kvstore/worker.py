@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import itertools
 import logging
 import os
 import sys
@@ -43,7 +42,7 @@ from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
-from .protocol import Message, ProtocolError, decode, internal
+from .protocol import Message, ProtocolError, decode, internal, request_ids
 from .sharding import acting
 from .store import KVStore, Pending, RowsItem
 
@@ -60,15 +59,6 @@ _PUSHING = frozenset({"push", "pushpull", "sparse_push"})  # the requests a roun
 # Requests every live replica of a part gets its own copy of (or that prove one connection):
 # after a failover, one to a dead server is not sent again.
 _FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth", "sparse_init"})
-
-
-def request_ids(arrival: int) -> Iterator[int]:
-    """A worker's request ids, unique across the holders of a slot: a newcomer (``arrival``:
-    the membership epoch it took its slot in) starts past any id its predecessors could have
-    used, so the servers' records of the requests of each slot they hold (with replicas:
-    ``Backup.duplicate``, ``Backup.duplicate_load``) never take a newcomer's re-sent request
-    for one of its predecessor's. 2**40 requests a holder; ids stay below 2**62."""
-    return itertools.count((arrival << 40) + 1)
 
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports

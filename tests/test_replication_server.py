@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -162,6 +163,59 @@ def test_a_root_only_key_taken_over_keeps_its_root():
     call(s, 0, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)])
     call(s, 1, "push", {"keys": [K], "epoch": 1}, [np.full(4, 5.0, np.float32)])
     assert np.array_equal(s.stored[("kvt.root0.w", 0)], np.ones(4, np.float32)), s.stored
+
+
+def _members(s, epoch, left=None, joined=None):
+    """The scheduler's ``members`` notice of an elastic job, as a server handles it."""
+    s.members_epoch = getattr(s, "members_epoch", 0)
+    s._proved, s._optimizer_count = {}, {}
+    body = {"epoch": epoch, "present": [0, 1], "why": "test"}
+    body.update({"left": left} if left is not None else {"joined": joined})
+    s._on_members(Message("members", 0, "scheduler", body))
+
+
+@pytest.mark.parametrize("newcomer_pushed", [False, True])
+def test_a_key_taken_over_keeps_a_newcomer_out_of_its_rounds_until_its_first_push(
+    newcomer_pushed,
+):
+    """Elastic workers and replicas. A newcomer is out of a key's rounds until its first push
+    of the key (``Rounds.arrive``, on the primary's active keys). A backup's copy is passive:
+    taken over, it counted the newcomer in, so the next round waited for a push the newcomer
+    was not making (in a blocking loop it waits on a key of another server: a deadlock). A
+    newcomer whose push of the key is in a forwarded round is in, and must be waited for."""
+    from kvstore.compression import PullCodes
+    from kvstore.protocol import request_ids
+
+    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
+    p.pull_codes = b.pull_codes = PullCodes()
+    K, key = ["k", 0], ("k", 0)
+    for s in (p, b):
+        call(s, 0, "init", {"keys": [K], "home": 0}, [np.zeros(4, np.float32)])
+    old, new = request_ids(0), request_ids(3)  # slot 1: its first holder, then epoch 3's
+    call(p, 0, "push", {"keys": [K]}, [np.ones(4, np.float32)], msg_id=10)
+    call(p, 1, "push", {"keys": [K]}, [np.ones(4, np.float32)], msg_id=next(old))
+    for s in (p, b):  # slot 1's worker dies; a newcomer takes the slot
+        _members(s, 2, left=1)
+        _members(s, 3, joined=1)
+    if newcomer_pushed:  # (first: the round then waits for worker 0's push too)
+        call(p, 1, "push", {"keys": [K]}, [np.full(4, 5.0, np.float32)], msg_id=next(new))
+    call(p, 0, "push", {"keys": [K]}, [np.full(4, 2.0, np.float32)], msg_id=11)
+    assert p.rounds.keys[key].done == 2
+    assert p.stored[key].tolist() == [7.0 if newcomer_pushed else 2.0] * 4
+    for msg, arrays in p.forwards:
+        b._on_replica(b"server-0", 0, Message(msg.kind, msg.id, msg.sender, msg.body, arrays))
+    _failover(b, 4, [0])
+    call(b, 0, "push", {"keys": [K], "epoch": 4}, [np.full(4, 3.0, np.float32)], msg_id=12)
+    if not newcomer_pushed:
+        assert b.rounds.keys[key].done == 3, (
+            "the taken-over key waits for a newcomer that has not pushed it"
+        )
+        assert b.stored[key].tolist() == [3.0] * 4
+        return
+    assert b.rounds.keys[key].done == 2, "the newcomer's rounds of the key were lost"
+    call(b, 1, "push", {"keys": [K], "epoch": 4}, [np.full(4, 4.0, np.float32)], next(new))
+    assert b.rounds.keys[key].done == 3
+    assert b.stored[key].tolist() == [7.0] * 4
 
 
 # ---------------------------------------------------------------- row-sparse keys
@@ -334,7 +388,7 @@ def test_a_newcomer_s_resent_push_and_load_are_not_taken_for_its_predecessor_s()
     the latest request id of the pushes and loads it holds: a newcomer's push or load lost
     with a dead primary and re-sent was "already held" (an id below its predecessor's), so
     answered and never applied. Its ids now start past any its predecessors could use."""
-    from kvstore.worker import request_ids
+    from kvstore.protocol import request_ids
 
     W, key = 2, ("e", 0)
     p, b = rows_server(W, 0), rows_server(W, 1)
