@@ -167,6 +167,8 @@ class Server:
         self.primary = Primary()
         self.backup = Backup()
         self.backup_updaters: dict[int, opt.Updater] = {}  # home server -> its keys' updater
+        # home server -> (the optimizer calls that updater reflects, its spec)
+        self._home_specs: dict[int, tuple] = {}
         self._peers: dict[int, zmq.Socket] = {}  # backup rank -> DEALER to it
         self._peer_ready: dict[int, bool] = {}  # its link proved (default mode: hello, auth)
         self._backlog: dict[int, list] = {}  # forwards waiting for the link to be proved
@@ -407,7 +409,7 @@ class Server:
         if req.msg.kind.startswith("sparse_"):
             self._reply_rows(req)
             return
-        if req.msg.kind == "push" or req.msg.body.get("flush") is True:
+        if req.msg.kind in ("push", "optimizer") or req.msg.body.get("flush") is True:
             self._send(req.identity, Message("ack", req.msg.id, self.name))
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
@@ -904,20 +906,47 @@ class Server:
                     "learning rate alike on every worker)"
                 )
             self._optimizer_count[rank] = n + 1
-            self._send(identity, Message("ack", msg.id, self.name))
+            self._ack_optimizer(identity, msg)
             return
         self._optimizer_count[rank] = n + 1
         self._optimizer_calls.append((spec, rank))
         if spec != self.optimizer_spec:
             self.updater = opt.Updater(opt.from_spec(spec))
             self.optimizer_spec = spec
-            # each server whose parts this one keeps copies of: an updater of their own,
-            # which sees exactly what that server's does (so the same schedule and state)
-            self.backup_updaters = {
-                home: opt.Updater(opt.from_spec(spec)) for home in self._homes_held()
-            }
             log.info("%s: optimizer %s", self.name, self.updater.optimizer)
-        self._send(identity, Message("ack", msg.id, self.name))
+            if self.chains is not None:
+                self._install_for_homes(spec)
+        self._ack_optimizer(identity, msg)
+
+    def _ack_optimizer(self, identity: bytes, msg: Message) -> None:
+        """With replicas, once the backups hold the optimizer installed (every worker's call:
+        its next request may be a ``set_states`` that a copy needs that optimizer for)."""
+        if self.chains is None:
+            self._send(identity, Message("ack", msg.id, self.name))
+            return
+        marks = [(None, home) for home, to in self._targets.items() if to]
+        for ready in self.primary.answer(Request(identity, msg), marks):
+            self._reply(ready)
+
+    def _install_for_homes(self, spec: dict) -> None:
+        """With replicas, a new optimizer for the parts of the servers this one acts for
+        (taken over), and forwarded to their backups, in its place among the rounds: a copy
+        kept for another server installs it when that server's forward says so
+        (``_on_replica``), never on a worker's call, so it updates every round with the
+        optimizer its primary updated that round with (forwarded with the mark ``(None,
+        home)`` as its key: no key is named None; the answers wait for it)."""
+        calls = len(self._optimizer_calls)
+        for home in self._targets:
+            if home != self.rank:
+                self._set_home_optimizer(home, calls, spec)
+        self._send_forwards({home: [] for home, to in self._targets.items() if to}, spec)
+
+    def _set_home_optimizer(self, home: int, calls: int, spec: dict) -> None:
+        """The updater of ``home``'s copies: ``spec``, as of its ``calls``-th optimizer call
+        (a new one when the spec differs: as the primary's own, its state starts again)."""
+        if self._home_specs.get(home, (0, None))[1] != spec:
+            self.backup_updaters[home] = opt.Updater(opt.from_spec(spec))
+        self._home_specs[home] = (calls, spec)
 
     def _on_command(self, identity, rank, msg) -> None:
         name = msg.body["name"]
@@ -959,12 +988,6 @@ class Server:
         self._peer_keys = book.get("peers") or [""] * len(self._addresses)
         self._targets = {self.rank: self.chains[self.rank][1:]}
         self._connect_peers()
-
-    def _homes_held(self) -> list[int]:
-        """The servers whose parts this one keeps copies of."""
-        if self.chains is None:
-            return []
-        return [h for h, chain in enumerate(self.chains) if h != self.rank and self.rank in chain]
 
     def _updater_of(self, key: tuple):
         """The updater of ``key``: this server's, or for a copy of another server's part
@@ -1044,10 +1067,15 @@ class Server:
             self._unsent.add(action.key)
         return entry
 
-    def _send_forwards(self, forwards: dict) -> None:
+    def _send_forwards(self, forwards: dict, optimizer: dict | None = None) -> None:
+        """Send each home's entries to its live backups (``optimizer``: with no entries, the
+        spec its primary installs now)."""
         for home, items in forwards.items():
             body = {"home": home, "entries": [entry for entry, *_ in items], "epoch": self.epoch}
             keys = [key for _, key, _, _ in items]
+            if optimizer is not None:  # (its mark: no key is named None)
+                body["optimizer"], keys = optimizer, [(None, home)]
+                body["calls"] = len(self._optimizer_calls)
             arrays, owners = [], []  # owners: the key of each array a reply's send reads
             for _, key, values, tracked in items:
                 arrays += values
@@ -1191,6 +1219,11 @@ class Server:
             checked.append((key, value, entry[2], pushes, entry[4]))
         if next(arrays, None) is not None:
             raise ValueError("replica: more arrays than its entries describe")
+        spec, calls = msg.body.get("optimizer"), msg.body.get("calls", 0)
+        if spec is not None:  # (between the rounds around it)
+            if type(calls) is not int:
+                raise ValueError(f"replica: bad optimizer calls {calls!r:.20}")
+            self._set_home_optimizer(home, calls, spec)
         for key, value, accumulate, pushes, applied in checked:
             if key not in self.rows.tables:
                 if applied:  # else the primary could not apply it either: counted, not applied
@@ -1288,6 +1321,11 @@ class Server:
             h: [b for b in self.chains[h] if b != self.rank and b not in dead] for h in mine
         }
         taken = self.backup.take_over(set(mine))
+        for home in mine:  # a set_optimizer its primary never forwarded (it died first,
+            # or never got it): the workers' later pushes are for the one they set last
+            if home != self.rank and self.optimizer_spec is not None:
+                if len(self._optimizer_calls) > self._home_specs.get(home, (0, None))[0]:
+                    self._set_home_optimizer(home, len(self._optimizer_calls), self.optimizer_spec)
         for key, members, rounds, arrivals in taken:  # (newcomers: as arrive left them)
             absent = self.backup.not_pushed(key, self.rounds.newcomers)
             self.rounds.add_key(key, members, rounds, arrivals, absent)

@@ -73,7 +73,7 @@ def replicated_server(W, rank=0, chains=((0, 1), (1, 0))):
     s.updater = s.optimizer_spec = None
     s.chains = [list(c) for c in chains]
     s.epoch, s.dead = 0, set()
-    s.primary, s.backup, s.backup_updaters = Primary(), Backup(), {}
+    s.primary, s.backup, s.backup_updaters, s._home_specs = Primary(), Backup(), {}, {}
     s._targets = {rank: [b for b in s.chains[rank] if b != rank]}
     s._peer_ready = {b: True for b in s._targets[rank]}
     s._backlog, s._pusher, s._deferred, s._unsent = {}, None, [], set()
@@ -163,6 +163,87 @@ def test_a_root_only_key_taken_over_keeps_its_root():
     call(s, 0, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)])
     call(s, 1, "push", {"keys": [K], "epoch": 1}, [np.full(4, 5.0, np.float32)])
     assert np.array_equal(s.stored[("kvt.root0.w", 0)], np.ones(4, np.float32)), s.stored
+
+
+def test_a_backup_changes_optimizer_where_its_primary_did_among_the_rounds():
+    """A changed optimizer (MXNet changes a schedule by calling set_optimizer again) reaches
+    each server from every worker. A backup installed it for its copies on a worker's call,
+    which may come before the forward of a round its primary applied with the old one: that
+    round was applied with another learning rate there, and after a failover the values
+    were not the primary's. The primary now forwards the change in its place."""
+    from kvstore.compression import PullCodes
+    from kvstore.optimizer import SGD
+
+    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
+    for s in (p, b):
+        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+    K, key = ["k", 0], ("k", 0)
+    for s in (p, b):
+        call(s, 0, "init", {"keys": [K], "home": 0}, [np.ones(4, np.float32)])
+
+    def set_optimizer(s, lr, at):
+        spec = SGD(learning_rate=lr, momentum=0.9).spec()
+        for rank in range(2):
+            msg = Message("optimizer", at + rank, f"worker-{rank}", {"spec": spec})
+            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+
+    for s in (p, b):
+        set_optimizer(s, 0.1, 50)
+    assert deliver(p, b) == []
+    for rank in range(2):  # round 0, with lr 0.1; its forward is still on the way...
+        call(p, rank, "push", {"keys": [K]}, [np.full(4, 1.0 + rank, np.float32)], 60 + rank)
+    for s in (b, p):  # ...when the workers' next set_optimizer reaches the backup
+        set_optimizer(s, 0.5, 70)
+    for rank in range(2):  # round 1, with lr 0.5
+        call(p, rank, "push", {"keys": [K]}, [np.full(4, 3.0 - rank, np.float32)], 80 + rank)
+    assert deliver(p, b) == []
+    assert p.stored[key].tobytes() == b.stored[key].tobytes(), (p.stored[key], b.stored[key])
+    acked = {m.id for _, m in p.sent if m.kind == "ack"}
+    assert not acked & {70, 71}, "set_optimizer answered before the backup holds it"
+    for ready in p.primary.ack(1, p.primary.sent[1]):  # the backup acknowledges
+        p._reply(ready)
+    assert {m.id for _, m in p.sent if m.kind == "ack"} >= {70, 71}
+    _failover(b, 1, [0])  # the taken-over copy goes on with the primary's optimizer state
+    for s in (p, b):
+        for rank in range(2):
+            call(s, rank, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)], 90 + rank)
+    assert p.stored[key].tobytes() == b.stored[key].tobytes(), (p.stored[key], b.stored[key])
+
+
+@pytest.mark.parametrize("lost", ["the forward", "the workers' calls"])
+def test_a_key_taken_over_updates_with_the_optimizer_set_last(lost):
+    """The primary dies after a second set_optimizer: either before it forwarded the change
+    (the backup heard the workers' calls only), or the backup heard only the forward so far.
+    Either way the taken-over copy updates the next rounds with the optimizer set last."""
+    from kvstore.compression import PullCodes
+    from kvstore.optimizer import SGD
+
+    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
+    for s in (p, b):
+        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+    K, key = ["k", 0], ("k", 0)
+    for s in (p, b):
+        call(s, 0, "init", {"keys": [K], "home": 0}, [np.ones(4, np.float32)])
+
+    def set_optimizer(s, lr, at):
+        spec = SGD(learning_rate=lr).spec()
+        for rank in range(2):
+            msg = Message("optimizer", at + rank, f"worker-{rank}", {"spec": spec})
+            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+
+    for s in (p, b):
+        set_optimizer(s, 0.1, 50)
+    assert deliver(p, b) == []
+    set_optimizer(p, 0.5, 70)
+    if lost == "the forward":
+        p.forwards.clear()
+        set_optimizer(b, 0.5, 70)
+    else:
+        assert deliver(p, b) == []
+    _failover(b, 1, [0])
+    for rank in range(2):
+        call(b, rank, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)], 90 + rank)
+    assert b.stored[key].tolist() == [0.0] * 4, "not updated with lr 0.5 (1 - 0.5 * 2)"
 
 
 def _members(s, epoch, left=None, joined=None):
