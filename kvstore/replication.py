@@ -20,6 +20,13 @@ the same bits.
   not answer (same ids, in order, marked ``resend``); the new acting server treats a re-sent
   push of a key whose id it already holds as done (answered, not applied again), and a fresh
   one as any push. Its rounds go on from the count of rounds it received.
+- **Changes that are no round go in order too.** A changed optimizer and loaded optimizer
+  states travel as forwards with no entries, each named by the mark ``(None, home)`` where
+  a key would be (no key is named None), so the answers wait for them as for a round; a
+  re-sent state load already held is answered, not loaded again (:meth:`Backup.loaded`).
+- **Elastic newcomers.** A copy taken over keeps out of its rounds the newcomers that came
+  after the key was made and have no push of it among the rounds received, as
+  ``Rounds.arrive`` left them on the primary (:meth:`Backup.not_pushed`).
 
 The server (:mod:`kvstore.server`) owns the sockets and carries these decisions out; the
 tests drive these classes with a model network that delays, drops, repeats and reorders
@@ -134,10 +141,16 @@ class Backup:
         # load_rows): apart from ``seen``, as a load is applied on arrival, before a round
         # that holds an earlier push of the same rank
         self.loads: dict = {}
+        self.made_after: dict = {}  # key -> the newcomers it was made after (hold)
 
-    def hold(self, key: Hashable, home: int, members, acting: bool, arrivals=None) -> None:
-        """A part of server ``home``'s is kept here (``acting``: and answered for here)."""
+    def hold(
+        self, key: Hashable, home: int, members, acting: bool, arrivals=None, newcomers=None
+    ) -> None:
+        """A part of server ``home``'s is kept here (``acting``: and answered for here).
+        ``newcomers``: those of the job now (``{slot: arrival epoch}``), in the key's rounds
+        from its start (made after they came: see :meth:`not_pushed`)."""
         self.home[key] = home
+        self.made_after[key] = dict(newcomers or {})
         if not acting:
             self.passive[key] = (home, members, arrivals)
 
@@ -161,10 +174,16 @@ class Backup:
         return out
 
     def not_pushed(self, key: Hashable, newcomers: dict) -> set:
-        """The newcomers (``{slot: arrival epoch}``) with no push of ``key`` in the rounds held
-        here: a request id says which holder of its slot sent it (:func:`arrival_of`)."""
-        seen = self.seen.get(key, {})
-        return {r for r, epoch in newcomers.items() if arrival_of(seen.get(r, 0)) < epoch}
+        """The newcomers (``{slot: arrival epoch}``) out of ``key``'s rounds until their first
+        push of it, as ``Rounds.arrive`` left them on its primary: those that came after the
+        key was made, with no push of it in the rounds held here (a request id says which
+        holder of its slot sent it: :func:`arrival_of`)."""
+        seen, made_after = self.seen.get(key, {}), self.made_after.get(key, {})
+        return {
+            r
+            for r, epoch in newcomers.items()
+            if made_after.get(r) != epoch and arrival_of(seen.get(r, 0)) < epoch
+        }
 
     def loaded(self, key: Hashable, rank: int, request_id: int) -> None:
         """A forwarded load of ``key`` by ``rank`` was applied here."""

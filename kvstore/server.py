@@ -409,7 +409,7 @@ class Server:
         if req.msg.kind.startswith("sparse_"):
             self._reply_rows(req)
             return
-        if req.msg.kind in ("push", "optimizer") or req.msg.body.get("flush") is True:
+        if req.msg.kind in ("push", "optimizer", "command") or req.msg.body.get("flush") is True:
             self._send(req.identity, Message("ack", req.msg.id, self.name))
             return
         keys = [tuple(k) for k in req.msg.body["keys"]]
@@ -710,7 +710,8 @@ class Server:
                 self._roots[key] = int(root[1])
             if home != self.rank:  # a backup copy: in no round here while its primary lives
                 answering = acting(home, self.chains, self.dead) == self.rank
-                self.backup.hold(key, home, members, answering, arrivals)
+                newcomers = self.rounds.newcomers
+                self.backup.hold(key, home, members, answering, arrivals, newcomers)
                 if not answering:
                     continue
             self.rounds.add_key(key, members, arrivals=arrivals)
@@ -918,6 +919,33 @@ class Server:
                 self._install_for_homes(spec)
         self._ack_optimizer(identity, msg)
 
+    def _set_states(self, identity: bytes, rank: int, msg: Message) -> None:
+        """``load_optimizer_states``: server ``home``'s part of the states. With replicas it
+        comes to the server acting for ``home`` only, which loads it, then forwards it to the
+        backups in its place among the rounds and answers once they hold it; a re-sent one
+        they already hold is answered, not loaded again (that would undo the rounds since)."""
+        home, updater = self._home_of(msg), self._updater_for(msg)
+        if updater is None:  # on every server, unless a set_optimizer is on its way:
+            # the worker fails its store if only some refused (DistStore._wait_for)
+            raise Unchanged("no optimizer is set on the servers; call set_optimizer first")
+        if len(msg.arrays) != 1:
+            raise ValueError("set_states needs one state blob")
+        mark = (None, home)
+        if self.chains is not None:
+            if home not in self._targets:
+                raise ValueError(f"set_states: server {home}'s parts are loaded by their primary")
+            if msg.body.get("resend") is True and self.backup.duplicate_load(mark, rank, msg.id):
+                self._send(identity, Message("ack", msg.id, self.name))
+                return
+        load_states(updater, self._tables_of(home), msg.arrays[0].tobytes())
+        if self.chains is None or not self._targets[home]:
+            self._send(identity, Message("ack", msg.id, self.name))
+            return
+        states = ({"states": [rank, msg.id]}, [msg.arrays[0]])
+        self._send_forwards({home: []}, states)
+        for ready in self.primary.answer(Request(identity, msg), [mark]):
+            self._reply(ready)
+
     def _ack_optimizer(self, identity: bytes, msg: Message) -> None:
         """With replicas, once the backups hold the optimizer installed (every worker's call:
         its next request may be a ``set_states`` that a copy needs that optimizer for)."""
@@ -939,7 +967,8 @@ class Server:
         for home in self._targets:
             if home != self.rank:
                 self._set_home_optimizer(home, calls, spec)
-        self._send_forwards({home: [] for home, to in self._targets.items() if to}, spec)
+        control = ({"optimizer": spec, "calls": len(self._optimizer_calls)}, [])
+        self._send_forwards({home: [] for home, to in self._targets.items() if to}, control)
 
     def _set_home_optimizer(self, home: int, calls: int, spec: dict) -> None:
         """The updater of ``home``'s copies: ``spec``, as of its ``calls``-th optimizer call
@@ -961,14 +990,7 @@ class Server:
             self._execute(self.rounds.enter(rank, time.monotonic()))
             self._send(identity, Message("ack", msg.id, self.name))
         elif name == "set_states":
-            updater = self._updater_for(msg)
-            if updater is None:  # on every server, unless a set_optimizer is on its way:
-                # the worker fails its store if only some refused (DistStore._wait_for)
-                raise Unchanged("no optimizer is set on the servers; call set_optimizer first")
-            if len(msg.arrays) != 1:
-                raise ValueError("set_states needs one state blob")
-            load_states(updater, self._tables_of(self._home_of(msg)), msg.arrays[0].tobytes())
-            self._send(identity, Message("ack", msg.id, self.name))
+            self._set_states(identity, rank, msg)
         elif name == "stats":  # kv.server_stats(): memory, and the row-sparse keys' rows
             # with replicas: server home's parts (held as its primary, or taken over)
             tables = self._tables_of(self._home_of(msg))
@@ -1067,19 +1089,20 @@ class Server:
             self._unsent.add(action.key)
         return entry
 
-    def _send_forwards(self, forwards: dict, optimizer: dict | None = None) -> None:
-        """Send each home's entries to its live backups (``optimizer``: with no entries, the
-        spec its primary installs now)."""
+    def _send_forwards(self, forwards: dict, control: tuple | None = None) -> None:
+        """Send each home's entries to its live backups. ``control``: (body fields, arrays)
+        of a forward with no entries (an optimizer its primary installs now, or states it
+        loads), marked ``(None, home)`` in :class:`Primary` (no key is named None)."""
         for home, items in forwards.items():
             body = {"home": home, "entries": [entry for entry, *_ in items], "epoch": self.epoch}
             keys = [key for _, key, _, _ in items]
-            if optimizer is not None:  # (its mark: no key is named None)
-                body["optimizer"], keys = optimizer, [(None, home)]
-                body["calls"] = len(self._optimizer_calls)
             arrays, owners = [], []  # owners: the key of each array a reply's send reads
             for _, key, values, tracked in items:
                 arrays += values
                 owners += [key if tracked else None] * len(values)
+            if control is not None:
+                body.update(control[0])
+                keys, arrays, owners = [(None, home)], list(control[1]), [None] * len(control[1])
             for backup in list(self._targets[home]):
                 seq = self.primary.forwarded(backup, keys)
                 msg = Message("replica", seq, self.name, body, arrays)
@@ -1217,6 +1240,8 @@ class Server:
             else:
                 raise ValueError(f"replica: key {_show(key)} is a dense key here, not row-sparse")
             checked.append((key, value, entry[2], pushes, entry[4]))
+        states = msg.body.get("states")
+        blob = next(arrays, None) if states is not None else None
         if next(arrays, None) is not None:
             raise ValueError("replica: more arrays than its entries describe")
         spec, calls = msg.body.get("optimizer"), msg.body.get("calls", 0)
@@ -1224,6 +1249,19 @@ class Server:
             if type(calls) is not int:
                 raise ValueError(f"replica: bad optimizer calls {calls!r:.20}")
             self._set_home_optimizer(home, calls, spec)
+        if states is not None:  # load_optimizer_states, between the rounds around it
+            if (
+                not isinstance(states, list)
+                or len(states) != 2
+                or not all(type(x) is int for x in states)
+                or blob is None
+            ):
+                raise ValueError(f"replica: bad states {states!r:.40}")
+            updater = self.backup_updaters.get(home)
+            if updater is None:
+                raise ValueError(f"replica: states of server {home}'s parts, but no optimizer")
+            load_states(updater, self._tables_of(home), blob.tobytes())
+            self.backup.loaded((None, home), *states)
         for key, value, accumulate, pushes, applied in checked:
             if key not in self.rows.tables:
                 if applied:  # else the primary could not apply it either: counted, not applied
@@ -1458,7 +1496,7 @@ class Server:
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
             if home != self.rank:  # a backup copy: in no round here while its primary lives
                 answering = acting(home, self.chains, self.dead) == self.rank
-                self.backup.hold(key, home, None, answering)
+                self.backup.hold(key, home, None, answering, None, self.rounds.newcomers)
                 if not answering:
                     continue
             self.rounds.add_key(key)

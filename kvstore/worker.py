@@ -58,7 +58,7 @@ _PULLING = frozenset({"pull", "pushpull", "sparse_pull"})  # and a sparse_push w
 _PUSHING = frozenset({"push", "pushpull", "sparse_push"})  # the requests a round counts
 # Requests every live replica of a part gets its own copy of (or that prove one connection):
 # after a failover, one to a dead server is not sent again.
-_FANNED_OUT = frozenset({"init", "optimizer", "set_states", "hello", "auth", "sparse_init"})
+_FANNED_OUT = frozenset({"init", "optimizer", "hello", "auth", "sparse_init"})
 
 
 # The uncaught exception ending this process, if one is: a store closed at exit then reports
@@ -1199,13 +1199,11 @@ class DistStore(KVStore):
                 f"{fname} holds the state of {len(blobs)} servers; this job has "
                 f"{len(self._servers)}: restart with the same DMLC_NUM_SERVER"
             )
-        ids = [  # with replicas, to every live server keeping a copy of server s's parts
+        ids = [  # with replicas, to the server acting for s: it forwards them to the backups
             self._send(
-                r, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
+                s, "command", {"name": "set_states", "home": s}, [np.frombuffer(b, np.uint8)]
             )
             for s, b in enumerate(blobs)
-            for r in (self._chains[s] if self._chains else [s])
-            if r not in self._dead
         ]
         for msg_id in ids:
             self._requests[msg_id].kind = "set_states"  # a partial load fails the store

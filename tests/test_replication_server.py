@@ -165,6 +165,29 @@ def test_a_root_only_key_taken_over_keeps_its_root():
     assert np.array_equal(s.stored[("kvt.root0.w", 0)], np.ones(4, np.float32)), s.stored
 
 
+def test_a_key_made_after_a_newcomer_came_keeps_it_in_its_rounds_when_taken_over():
+    """(From review.) A key made after a newcomer came has it in its rounds from the start,
+    on the primary (``Rounds.arrive`` changed only the keys there were): taken over, the copy
+    must wait for its push too, not close the round without it."""
+    from kvstore.compression import PullCodes
+
+    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
+    p.pull_codes = b.pull_codes = PullCodes()
+    for s in (p, b):  # slot 1's worker leaves, a newcomer takes the slot at epoch 3
+        _members(s, 2, left=1)
+        _members(s, 3, joined=1)
+    K, key = ["k", 0], ("k", 0)
+    for s in (p, b):
+        call(s, 0, "init", {"keys": [K], "home": 0}, [np.zeros(4, np.float32)])
+    call(p, 0, "push", {"keys": [K]}, [np.ones(4, np.float32)], msg_id=10)
+    assert p.rounds.keys[key].done == 0, "the primary waits for the newcomer"
+    assert deliver(p, b) == []
+    _failover(b, 4, [0])
+    again = {"keys": [K], "epoch": 4, "resend": True}
+    call(b, 0, "push", again, [np.ones(4, np.float32)], msg_id=10)
+    assert b.rounds.keys[key].done == 0, "the copy closed the round without the newcomer"
+
+
 def test_a_backup_changes_optimizer_where_its_primary_did_among_the_rounds():
     """A changed optimizer (MXNet changes a schedule by calling set_optimizer again) reaches
     each server from every worker. A backup installed it for its copies on a worker's call,
@@ -244,6 +267,61 @@ def test_a_key_taken_over_updates_with_the_optimizer_set_last(lost):
     for rank in range(2):
         call(b, rank, "push", {"keys": [K], "epoch": 1}, [np.ones(4, np.float32)], 90 + rank)
     assert b.stored[key].tolist() == [0.0] * 4, "not updated with lr 0.5 (1 - 0.5 * 2)"
+
+
+def test_load_optimizer_states_is_forwarded_in_order_and_never_loaded_twice():
+    """load_optimizer_states reached every replica on its own, so a backup could load the
+    states on the other side of a round than its primary. It now goes to the acting server,
+    which forwards it in its place and answers once the backups hold it; a copy refuses it;
+    re-sent after a failover to a backup that holds it, it is answered, not loaded again
+    (that would undo the rounds applied since)."""
+    from kvstore.compression import PullCodes
+    from kvstore.optimizer import SGD
+    from kvstore.sparse import dump_states
+
+    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
+    for s in (p, b):
+        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+    K, key = ["k", 0], ("k", 0)
+    for s in (p, b):
+        call(s, 0, "init", {"keys": [K], "home": 0}, [np.ones(4, np.float32)])
+        for rank in range(2):
+            spec = SGD(learning_rate=0.1, momentum=0.9).spec()
+            msg = Message("optimizer", 50 + rank, f"worker-{rank}", {"spec": spec})
+            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+    assert deliver(p, b) == []
+
+    def round_(s, n, epoch=0):
+        for rank in range(2):
+            body = {"keys": [K], "epoch": epoch} if epoch else {"keys": [K]}
+            grad = np.full(4, n + rank + 1.0, np.float32)
+            call(s, rank, "push", body, [grad], msg_id=100 * n + rank + 1)
+
+    def set_states(s, blob, resend=False):
+        body = {"name": "set_states", "home": 0, **({"resend": True} if resend else {})}
+        msg = Message("command", 900, "worker-0", body, [np.frombuffer(blob, np.uint8)])
+        s._on_command(b"worker-0", 0, msg)
+
+    round_(p, 1)
+    saved = dump_states(p.updater, p._tables_of(0))  # a checkpoint's states
+    round_(p, 2)
+    assert deliver(p, b) == []
+    with pytest.raises(ValueError, match="loaded by their primary"):
+        set_states(b, saved)  # a copy's states come from its primary
+    set_states(p, saved)
+    assert 900 not in {m.id for _, m in p.sent}, "answered before the backup holds it"
+    round_(p, 3)  # (after the load, on both)
+    assert deliver(p, b) == []
+    for ready in p.primary.ack(1, p.primary.sent[1]):
+        p._reply(ready)
+    assert 900 in {m.id for _, m in p.sent if m.kind == "ack"}
+    assert p.stored[key].tobytes() == b.stored[key].tobytes(), (p.stored[key], b.stored[key])
+    held = dump_states(b.backup_updaters[0], b._tables_of(0))
+    assert held == dump_states(p.updater, p._tables_of(0))
+    _failover(b, 1, [0])  # the primary died before its answer reached worker 0
+    set_states(b, saved, resend=True)
+    assert 900 in {m.id for _, m in b.sent if m.kind == "ack"}
+    assert dump_states(b.backup_updaters[0], b._tables_of(0)) == held, "loaded twice"
 
 
 def _members(s, epoch, left=None, joined=None):
