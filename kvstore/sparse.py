@@ -1003,7 +1003,10 @@ def plan_push(items, num_server: int, sync: bool, metas: dict, pulls=None, shm_s
         (pull, item.value.indices, split)
         for item, pull, split in zip(items, pulls, splits, strict=True)
     ]
-    return out, RowCollector(wanted, metas)
+    collector = RowCollector(wanted, metas)
+    for item in items:
+        collector.fill(item.key, item.value.data)
+    return out, collector
 
 
 def _bounds(meta, num_server: int):
@@ -1064,24 +1067,17 @@ class RowCollector:
     def expect(self, request: int, keys: tuple) -> None:
         self._expected[request] = keys
 
-    def pushed(self, request: int, keys: tuple, rows: list, normal=frozenset()) -> None:
-        """The rows a push of this call sends in ``request`` (array ``2i + 1`` for key
-        ``i``), while they are still in cache: each written into its place as the round
-        leaves it when no other push touches it, ``0 +`` itself (``normal``: the array
-        indices whose rows are that already, written so into a shared segment). A reply
-        then brings only the rows another push touched too (a delta,
-        :meth:`RowTable.pushed_delta`), or every row (with an optimizer) written over these."""
-        for i, where in enumerate(keys):
-            sent, block, pos = rows[2 * i + 1], self._blocks[where[0]], self._positions[where]
-            if 2 * i + 1 in normal:
-                if isinstance(pos, slice):
-                    np.copyto(block[pos], sent)
-                else:
-                    put_rows(block, pos, sent)
-            elif isinstance(pos, slice):
-                np.add(block.dtype.type(0), sent, out=block[pos])
-            else:
-                put_rows(block, pos, np.add(block.dtype.type(0), sent))
+    def fill(self, key, rows: np.ndarray) -> None:
+        """The rows this call pushes of ``key`` (its ids are the wanted ids, in order), ``0 +``
+        themselves: how the round leaves each row no other push touches. One pass in order,
+        while they are in cache; a reply then brings only the rows another push touched
+        too (a delta, :meth:`RowTable.pushed_delta`), or every row (with an optimizer)
+        written over these."""
+        block = self._blocks[key]
+        np.add(block.dtype.type(0), rows, out=block)
+
+    def pushed(self, request: int) -> None:
+        """``request`` pushes rows :meth:`fill` put in place: its reply may be a delta."""
         self._own.add(request)
 
     def receive(self, request: int, keys, arrays, codes=None, delta=None) -> None:

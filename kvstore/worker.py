@@ -414,11 +414,8 @@ class DistStore(KVStore):
                     self._pull_last[out.keys[i]] = msg_id
                 if collector is not None:
                     collector.expect(msg_id, out.keys)
-                    if out.kind == "sparse_push" and pulling:  # for the reply's delta
-                        rows = list(out.arrays)  # those in a segment: 0 + themselves there
-                        for _, _, entry, region in used:
-                            rows[entry[0]] = region
-                        collector.pushed(msg_id, out.keys, rows, {e[0] for _, _, e, _ in used})
+                    if out.kind == "sparse_push" and pulling:  # its reply may be a delta
+                        collector.pushed(msg_id)
                 ids.append(msg_id)
                 kept.extend(out.residuals)
         except BaseException as exc:

@@ -634,7 +634,7 @@ def test_plans_send_each_server_its_rows_and_write_the_replies_back(data, server
                 collector.receive(request, leg.keys, [table[sent]])
                 continue
             assert np.array_equal(leg.arrays[1], vals[np.searchsorted(ids, sent)])
-            collector.pushed(request, leg.keys, leg.arrays)
+            collector.pushed(request)
             mine = np.searchsorted(ids, sent)
             if as_delta:
                 at = np.flatnonzero(doubled[mine]).astype("<i4")
@@ -685,7 +685,7 @@ def test_a_row_reply_delta_is_checked():
         )
         collector.expect(7, leg.keys)
         if in_place:
-            collector.pushed(7, leg.keys, leg.arrays)
+            collector.pushed(7)
         with pytest.raises(ReplyError):
             collector.receive(7, leg.keys, [np.ones((count, 2), np.float32)], delta=delta)
         assert collector.cancelled
