@@ -743,7 +743,10 @@ class KVStore:
             raise KeyError(f"load_rows(key={k!r}): not a row-sparse key (init it with a RowSparse)")
         meta = self._sparse[k]
         if not isinstance(value, RowSparse) or value.shape != meta.shape:
-            raise ValueError(f"load_rows(key={k!r}): expected a RowSparse of shape {meta.shape}")
+            got = f"shape {value.shape}" if isinstance(value, RowSparse) else type(value).__name__
+            raise ValueError(
+                f"load_rows(key={k!r}): expected a RowSparse of shape {meta.shape}, got {got}"
+            )
         if step is not None and (
             isinstance(step, bool)
             or not isinstance(step, (int, np.integer))
