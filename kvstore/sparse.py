@@ -585,6 +585,34 @@ class RowTable:
         keep = self.changed[self.slots] > step
         return self.ids[keep], self.block[self.slots[keep]]
 
+    def bookkeeping(self) -> tuple:
+        """What admission and eviction go on from: (stored ids, the step each last changed
+        at, candidate ids, their counts, the step each was last pushed at)."""
+        return (self.ids, self.changed[self.slots], self.cand_ids, self.cand_counts, self.cand_last)
+
+    def restore_bookkeeping(self, ids, changed, cand_ids, counts, last) -> None:
+        """:meth:`bookkeeping`'s arrays, after the rows were loaded (``assign``): each loaded
+        row's step from ``changed`` (the rows not loaded are not made), and the candidates.
+        No step is past the table's (a checkpoint's step: ``restore_step``)."""
+        n, m = len(ids), len(cand_ids)
+        if (
+            len(changed) != n
+            or len(counts) != m
+            or len(last) != m
+            or (n and not (0 <= ids.min() and ids.max() < self.rows))
+            or (m and not (0 <= cand_ids.min() and cand_ids.max() < self.rows))
+            or (m > 1 and not (np.diff(cand_ids) > 0).all())
+        ):
+            raise ValueError(
+                "the admission state does not fit this table: it was saved for another"
+            )
+        found, slots = self.find(np.asarray(ids, np.int64))
+        self.changed[slots[found]] = np.minimum(changed[found], self.step)
+        stored = self.find(np.asarray(cand_ids, np.int64))[0]  # (admitted since: not candidates)
+        self.cand_ids = np.asarray(cand_ids, np.int64)[~stored]
+        self.cand_counts = np.asarray(counts, np.int32)[~stored]
+        self.cand_last = np.minimum(np.asarray(last, np.int32), self.step)[~stored]
+
     def restore_step(self, step: int) -> None:
         """Continue counting steps from ``step`` (a checkpoint's), when that is ahead."""
         if step > self.step:
@@ -1207,6 +1235,11 @@ def dump_states(updater, tables: dict) -> bytes:
         states = [pack_array(s[slots]) for s in table.states]
         rows.append([_wire_key(key), updater.counts.get(key, 0), pack_array(table.ids), states])
     data["rows"] = rows
+    data["admission"] = [  # when rows changed, and the candidates: what exports, admission
+        # and eviction go on from
+        [_wire_key(key), *(pack_array(a) for a in table.bookkeeping())]
+        for key, table in tables.items()
+    ]
     return msgpack.packb(data)
 
 
@@ -1254,3 +1287,18 @@ def load_states(updater, tables: dict, blob: bytes, dense: bool = True) -> None:
         for stored, value in zip(table.states, states, strict=True):
             stored[slots] = value
         updater.counts[key] = count
+    try:
+        books = [
+            (_from_wire_key(k), [unpack_array(a) for a in arrays])
+            for k, *arrays in msgpack.unpackb(blob, strict_map_key=False).get("admission") or []
+        ]
+    except Exception as exc:
+        raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None
+    for key, arrays in books:
+        table = tables.get(key)
+        if table is None:
+            raise ValueError(
+                f"the optimizer states hold row-sparse key {key!r}, which is not initialised "
+                "here: init it (with a RowSparse) before load_optimizer_states"
+            )
+        table.restore_bookkeeping(*arrays)

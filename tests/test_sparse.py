@@ -781,3 +781,53 @@ def test_a_rowsparse_with_a_dense_or_unknown_key_and_float_ids_say_what_is_wrong
                 RowSparse(np.array([bad]), np.ones((1, 2), np.float32), shape)
             with pytest.raises(ValueError, match="outside"):
                 kv.row_sparse_pull("d", out=got, row_ids=np.array([bad]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rounds=st.lists(
+        st.lists(st.integers(0, 40), max_size=12, unique=True).map(sorted), min_size=2, max_size=14
+    ),
+    cut=st.integers(1, 13),
+    admit=st.integers(1, 3),
+    evict=st.sampled_from([0, 3, 5]),
+)
+def test_a_restart_admits_and_evicts_as_the_job_would_have(rounds, cut, admit, evict):
+    """(From a user trial.) A checkpoint (``save_rows`` with its step, then the optimizer
+    states) restored into a new table, which goes on: the rows, their optimizer state, when
+    each last changed, and the admission candidates are those of the table that never
+    stopped (the candidates' counts and the rows' ages were lost: rows were evicted late,
+    candidates admitted late)."""
+    cut = min(cut, len(rounds) - 1)
+    init = RowSparse.empty((1000, 2), admit_after=admit, evict_after=evict).init
+
+    def go(table, up, which):
+        for r in which:
+            ids = np.array(rounds[r], np.int64)
+            grad = np.full((ids.size, 2), r + 1.0, np.float32)
+            t = up.counts["k"] = up.counts.get("k", 0) + 1
+            table.apply(ids, grad, up.optimizer, t, 0.1)
+
+    def fresh():
+        return RowTable(2, np.float32, init, rows=1000), opt.Updater(opt.SGD(momentum=0.9))
+
+    (whole, up), (first, up1) = fresh(), fresh()
+    go(whole, up, range(len(rounds)))
+    go(first, up1, range(cut))
+    ids, rows = first.changed_since(None)
+    step, blob = first.step, sparse.dump_states(up1, {"k": first})
+    resumed, up2 = fresh()
+    resumed._states_for(up2.optimizer)
+    resumed.restore_step(step)  # load_rows(key, rows, step=step) ...
+    resumed.assign(ids, rows)
+    up2.loads(blob)  # ... then load_optimizer_states
+    sparse.load_states(up2, {"k": resumed}, blob, dense=False)
+    go(resumed, up2, range(cut, len(rounds)))
+    for a, b in ((whole, resumed),):
+        assert a.ids.tolist() == b.ids.tolist()
+        assert np.array_equal(a.block[a.slots], b.block[b.slots])
+        assert a.changed[a.slots].tolist() == b.changed[b.slots].tolist()
+        assert np.array_equal(a.states[0][a.slots], b.states[0][b.slots])
+        assert a.cand_ids.tolist() == b.cand_ids.tolist()
+        assert a.cand_counts.tolist() == b.cand_counts.tolist()
+        assert a.cand_last.tolist() == b.cand_last.tolist()
