@@ -608,11 +608,12 @@ def test_a_load_the_primary_could_not_finish_must_fail_alike_on_the_backup():
 @given(st.data())
 def test_a_row_sparse_backup_holds_its_primary_s_bits_under_any_interleaving(data):
     """Pushes (rounds ahead of each other, repeated and empty row sets, sync or async), loads
-    (with a step) and the forwards' deliveries in any order, with or without an optimizer,
-    admission and eviction: once the forwards are delivered, the backup's table is its
-    primary's, bit for bit (rows, steps, changed stamps, optimizer state, update counts)."""
+    (with a step) and the forwards' deliveries in any order, with or without an optimizer
+    (changed by hand on the way, its states saved and loaded back), admission and eviction:
+    once the forwards are delivered, the backup's table is its primary's, bit for bit (rows,
+    steps, changed stamps, optimizer state, update counts)."""
     from kvstore import optimizer as opt
-    from kvstore.sparse import zeros
+    from kvstore.sparse import dump_states, zeros
 
     W = data.draw(st.integers(2, 3), label="W")
     spec = {**zeros(), **data.draw(st.sampled_from([{}, {"admit_after": 2}, {"evict_after": 3}]))}
@@ -622,18 +623,41 @@ def test_a_row_sparse_backup_holds_its_primary_s_bits_under_any_interleaving(dat
     key = ("e", 0)
     for s in (p, b):
         rows_init(s, "e", 0, spec)
-    if optimizer:
-        made = {
-            "sgd": lambda: opt.SGD(learning_rate=0.1, momentum=0.9),
-            "adam": lambda: opt.Adam(learning_rate=0.01),
-        }[optimizer]
-        p.updater, b.backup_updaters = opt.Updater(made()), {0: opt.Updater(made())}
+        s._optimizer_calls, s._optimizer_count = [], {}
     ids = iter(range(1, 10**6))
+    specs = {
+        "sgd": [opt.SGD(learning_rate=lr, momentum=0.9).spec() for lr in (0.1, 0.05)],
+        "adam": [opt.Adam(learning_rate=lr).spec() for lr in (0.01, 0.02)],
+    }.get(optimizer, [])
+
+    def set_optimizer(spec):  # every worker, to both servers (either may hear them first)
+        for s in (b, p) if data.draw(st.booleans()) else (p, b):
+            for rank in range(W):
+                msg = Message("optimizer", next(ids), f"worker-{rank}", {"spec": spec})
+                s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+
+    if optimizer:
+        set_optimizer(specs[0])
+    saved = None
     pushes = [0] * W
     row_ids = st.lists(st.integers(0, 40), max_size=6).map(lambda x: sorted(set(x)))
+    events = ["push", "push", "push", "load", "deliver"]
+    events += ["optimizer", "save", "restore"] if optimizer else []
     for _ in range(data.draw(st.integers(1, 25), label="steps")):
-        what = data.draw(st.sampled_from(["push", "push", "push", "load", "deliver"]))
+        what = data.draw(st.sampled_from(events))
         rank = data.draw(st.integers(0, W - 1))
+        if what == "optimizer":  # changed by hand (the same spec again: the state is kept)
+            set_optimizer(data.draw(st.sampled_from(specs)))
+            continue
+        if what == "save":  # a checkpoint's optimizer states...
+            saved = dump_states(p.updater, p._tables_of(0))
+            continue
+        if what == "restore":  # ...loaded (load_optimizer_states): to the primary only
+            if saved is not None:
+                body = {"name": "set_states", "home": 0}
+                msg = Message("command", next(ids), "worker-0", body, [np.frombuffer(saved, "u1")])
+                p._on_command(b"worker-0", 0, msg)
+            continue
         if what == "push":
             rows = data.draw(row_ids)
             value = data.draw(st.sampled_from([-0.0, 0.1, 0.7, 1e-8, 3.3, -2.9]))
