@@ -708,14 +708,25 @@ class Server:
             root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
             if root is not None:  # a backup copy too: it may answer for it one day
                 self._roots[key] = int(root[1])
+            before = self._made_after(msg)
             if home != self.rank:  # a backup copy: in no round here while its primary lives
                 answering = acting(home, self.chains, self.dead) == self.rank
-                newcomers = self.rounds.newcomers
-                self.backup.hold(key, home, members, answering, arrivals, newcomers)
+                self.backup.hold(key, home, members, answering, arrivals, before)
                 if not answering:
                     continue
-            self.rounds.add_key(key, members, arrivals=arrivals)
+            absent = set(self.rounds.newcomers) - set(before)
+            self.rounds.add_key(key, members, arrivals=arrivals, absent=absent)
         self._send(identity, Message("ack", msg.id, self.name))
+
+    def _made_after(self, msg: Message) -> dict:
+        """The newcomers (``{slot: arrival epoch}``) an ``init``'s keys are made after: those
+        whose arrival its worker knew of (its ``mepoch``: it waited here for that notice).
+        The others are out of the keys' rounds until their first push, as if they came
+        after (``Rounds.arrive``): each server may hear of them before or after the init,
+        and every replica must decide alike."""
+        known = msg.body.get("mepoch")
+        known = known if type(known) is int else 0
+        return {r: e for r, e in self.rounds.newcomers.items() if e <= known}
 
     def _grads(self, msg: Message, keys: list, rank: int) -> list:
         """The pushed gradients, checked against the stored keys and decompressed."""
@@ -1494,12 +1505,13 @@ class Server:
         for key, rows, dim, dtype, init, ids, data, owned in made:
             self._owned[key] = owned
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
+            before = self._made_after(msg)
             if home != self.rank:  # a backup copy: in no round here while its primary lives
                 answering = acting(home, self.chains, self.dead) == self.rank
-                self.backup.hold(key, home, None, answering, None, self.rounds.newcomers)
+                self.backup.hold(key, home, None, answering, None, before)
                 if not answering:
                     continue
-            self.rounds.add_key(key)
+            self.rounds.add_key(key, absent=set(self.rounds.newcomers) - set(before))
         self._send(identity, Message("ack", msg.id, self.name))
 
     @metrics.served

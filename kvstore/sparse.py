@@ -590,10 +590,8 @@ class RowTable:
         at, candidate ids, their counts, the step each was last pushed at)."""
         return (self.ids, self.changed[self.slots], self.cand_ids, self.cand_counts, self.cand_last)
 
-    def restore_bookkeeping(self, ids, changed, cand_ids, counts, last) -> None:
-        """:meth:`bookkeeping`'s arrays, after the rows were loaded (``assign``): each loaded
-        row's step from ``changed`` (the rows not loaded are not made), and the candidates.
-        No step is past the table's (a checkpoint's step: ``restore_step``)."""
+    def check_bookkeeping(self, ids, changed, cand_ids, counts, last) -> None:
+        """Refuse :meth:`bookkeeping`'s arrays unless they fit this table."""
         n, m = len(ids), len(cand_ids)
         if (
             len(changed) != n
@@ -603,11 +601,19 @@ class RowTable:
             or (m and not (0 <= cand_ids.min() and cand_ids.max() < self.rows))
             or (m > 1 and not (np.diff(cand_ids) > 0).all())
         ):
-            raise ValueError(
-                "the admission state does not fit this table: it was saved for another"
-            )
+            raise ValueError("the admission state does not fit this table: saved for another")
+
+    def restore_bookkeeping(self, step: int, ids, changed, cand_ids, counts, last) -> None:
+        """:meth:`bookkeeping`'s arrays at ``step`` (checked: :meth:`check_bookkeeping`). The
+        table's steps go on from ``step`` at least; each stored row of ``ids`` gets its step
+        from ``changed`` (rows not stored are not made: load the rows first, as a later
+        ``load_rows`` stamps the rows it loads with the step then), and the candidates come
+        back (where rows are admitted by count)."""
+        self.restore_step(step)
         found, slots = self.find(np.asarray(ids, np.int64))
         self.changed[slots[found]] = np.minimum(changed[found], self.step)
+        if self.admit_after <= 1:
+            return
         stored = self.find(np.asarray(cand_ids, np.int64))[0]  # (admitted since: not candidates)
         self.cand_ids = np.asarray(cand_ids, np.int64)[~stored]
         self.cand_counts = np.asarray(counts, np.int32)[~stored]
@@ -1235,70 +1241,74 @@ def dump_states(updater, tables: dict) -> bytes:
         states = [pack_array(s[slots]) for s in table.states]
         rows.append([_wire_key(key), updater.counts.get(key, 0), pack_array(table.ids), states])
     data["rows"] = rows
-    data["admission"] = [  # when rows changed, and the candidates: what exports, admission
-        # and eviction go on from
-        [_wire_key(key), *(pack_array(a) for a in table.bookkeeping())]
+    data["admission"] = [  # its step, when rows changed, and the candidates: what exports,
+        # admission and eviction go on from (a table with neither rows nor candidates: none)
+        [_wire_key(key), table.step, *(pack_array(a) for a in table.bookkeeping())]
         for key, table in tables.items()
+        if table.count or table.cand_ids.size
     ]
     return msgpack.packb(data)
 
 
-def load_states(updater, tables: dict, blob: bytes, dense: bool = True) -> None:
+def load_states(updater, tables: dict, blob: bytes, dense: bool = True, like=None) -> None:
     """Load :func:`dump_states`' output: the dense states into ``updater`` (unless ``dense``
-    is False: the caller did), each row-sparse key's state into its table (rows not stored
-    yet are created from the initializer; load their values with ``load_rows``)."""
+    is False: the caller did; ``like``: see :meth:`kvstore.optimizer.Updater.loads`), each
+    row-sparse key's state into its table (rows not stored yet are created from the
+    initializer; load their values with ``load_rows``), and its bookkeeping. Everything is
+    checked before anything changes: a refused file changes nothing (a replica that refuses
+    it stays its primary's copy)."""
     import msgpack
 
     from .optimizer import _from_wire_key, unpack_array
 
-    if dense:
-        updater.loads(blob)
     try:
-        rows = msgpack.unpackb(blob, strict_map_key=False).get("rows") or []
+        data = msgpack.unpackb(blob, strict_map_key=False)
         entries = [
             (_from_wire_key(k), int(c), unpack_array(i), [unpack_array(s) for s in states])
-            for k, c, i, states in rows
+            for k, c, i, states in data.get("rows") or []
+        ]
+        books = [
+            (_from_wire_key(k), int(step), [unpack_array(a) for a in arrays])
+            for k, step, *arrays in data.get("admission") or []
         ]
     except Exception as exc:
         raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None
-    for key, count, ids, states in entries:
+
+    def table_of(key):
         table = tables.get(key)
         if table is None:
             raise ValueError(
                 f"the optimizer states hold row-sparse key {key!r}, which is not initialised "
                 "here: init it (with a RowSparse) before load_optimizer_states"
             )
-        table._states_for(updater.optimizer)
-        if len(states) != len(table.states) or any(
-            s.shape != (ids.size, table.dim) for s in states
-        ):
+        return table
+
+    optimizer = updater.optimizer
+    for key, _, ids, states in entries:
+        table = table_of(key)
+        check_optimizer(optimizer, table.dtype)
+        fresh = optimizer.create_state(np.zeros((0, table.dim), table.dtype))
+        if len(states) != len(fresh) or any(s.shape != (ids.size, table.dim) for s in states):
             raise ValueError(
                 f"the optimizer states of row-sparse key {key!r} do not fit this optimizer "
-                f"({len(states)} states of {ids.size} rows; {updater.optimizer.name} keeps "
-                f"{len(table.states)} of dim {table.dim}): set the optimizer they were saved with"
+                f"({len(states)} states of {ids.size} rows; {optimizer.name} keeps "
+                f"{len(fresh)} of dim {table.dim}): set the optimizer they were saved with"
             )
-        ids = ids.astype(np.int64)
         if ids.size and not (0 <= ids.min() and ids.max() < table.rows):
             raise ValueError(
                 f"the optimizer states of row-sparse key {key!r} hold row ids outside "
                 f"[0, {table.rows}): they were saved for another table"
             )
-        slots = table.slots_of(ids)
+    for key, _, arrays in books:
+        table_of(key).check_bookkeeping(*arrays)
+    if dense:
+        updater.loads(blob, like=like)
+    for key, count, ids, states in entries:
+        table = tables[key]
+        table._states_for(optimizer)
+        slots = table.slots_of(ids.astype(np.int64))
         for stored, value in zip(table.states, states, strict=True):
             stored[slots] = value
         updater.counts[key] = count
-    try:
-        books = [
-            (_from_wire_key(k), [unpack_array(a) for a in arrays])
-            for k, *arrays in msgpack.unpackb(blob, strict_map_key=False).get("admission") or []
-        ]
-    except Exception as exc:
-        raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None
-    for key, arrays in books:
-        table = tables.get(key)
-        if table is None:
-            raise ValueError(
-                f"the optimizer states hold row-sparse key {key!r}, which is not initialised "
-                "here: init it (with a RowSparse) before load_optimizer_states"
-            )
-        table.restore_bookkeeping(*arrays)
+    for key, step, arrays in books:
+        tables[key].restore_bookkeeping(step, *arrays)

@@ -964,11 +964,9 @@ class LocalStore(KVStore):
         updater = self._require_updater("load_optimizer_states")
         with open(fname, "rb") as f:
             blob = f.read()
-        updater.loads(blob, like=self._store)
-        if getattr(self, "_tables", None):  # row-sparse keys' states (kvstore.sparse)
-            from .sparse import load_states
+        from .sparse import load_states  # (with the row-sparse keys' states, all checked first)
 
-            load_states(updater, self._tables, blob, dense=False)
+        load_states(updater, getattr(self, "_tables", {}), blob, like=self._store)
 
     def _require_updater(self, what: str) -> opt.Updater:
         if not isinstance(self._updater, opt.Updater):

@@ -433,7 +433,8 @@ def test_only_a_proved_server_can_forward(tmp_path):
 
 
 def test_resuming_from_saved_optimizer_state_survives_a_failover(tmp_path):
-    """load_optimizer_states reaches every replica of a part: a job resumed from a checkpoint
+    """load_optimizer_states reaches every replica of a part (through its primary, in order
+    with the rounds): a job resumed from a checkpoint
     (weights and SGD momentum) ends with the same bits whether or not a server is killed
     after the load."""
     W, S = 2, 3

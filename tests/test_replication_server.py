@@ -165,27 +165,45 @@ def test_a_root_only_key_taken_over_keeps_its_root():
     assert np.array_equal(s.stored[("kvt.root0.w", 0)], np.ones(4, np.float32)), s.stored
 
 
-def test_a_key_made_after_a_newcomer_came_keeps_it_in_its_rounds_when_taken_over():
-    """(From review.) A key made after a newcomer came has it in its rounds from the start,
-    on the primary (``Rounds.arrive`` changed only the keys there were): taken over, the copy
-    must wait for its push too, not close the round without it."""
+@pytest.mark.parametrize("knew", [True, False])
+@pytest.mark.parametrize("order", ["arrival first", "init first"])
+def test_a_key_made_after_a_newcomer_came_is_taken_over_with_it_alike(knew, order):
+    """(From review.) A key made after a newcomer came has it in its rounds from the start
+    (``Rounds.arrive`` changed only the keys there were) when its worker knew of it (the
+    init's ``mepoch``); else the newcomer is out until its first push, as if it came after.
+    Each server may handle the members notice and the init in either order: the primary and
+    the copy it took over decide alike either way."""
     from kvstore.compression import PullCodes
 
     p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
     p.pull_codes = b.pull_codes = PullCodes()
-    for s in (p, b):  # slot 1's worker leaves, a newcomer takes the slot at epoch 3
+    K, key = ["k", 0], ("k", 0)
+    body = {"keys": [K], "home": 0, **({"mepoch": 3} if knew else {})}
+
+    def arrive(s):  # slot 1's worker leaves, a newcomer takes the slot at epoch 3
         _members(s, 2, left=1)
         _members(s, 3, joined=1)
-    K, key = ["k", 0], ("k", 0)
+
     for s in (p, b):
-        call(s, 0, "init", {"keys": [K], "home": 0}, [np.zeros(4, np.float32)])
+        if order == "arrival first" or knew:  # (a server holds an init until it knows mepoch)
+            arrive(s)
+            call(s, 0, "init", body, [np.zeros(4, np.float32)])
+        else:
+            call(s, 0, "init", body, [np.zeros(4, np.float32)])
+            arrive(s)
     call(p, 0, "push", {"keys": [K]}, [np.ones(4, np.float32)], msg_id=10)
-    assert p.rounds.keys[key].done == 0, "the primary waits for the newcomer"
+    waits = p.rounds.keys[key].done == 0
+    assert waits == knew, "the primary decides by what the initialising worker knew"
     assert deliver(p, b) == []
     _failover(b, 4, [0])
     again = {"keys": [K], "epoch": 4, "resend": True}
     call(b, 0, "push", again, [np.ones(4, np.float32)], msg_id=10)
-    assert b.rounds.keys[key].done == 0, "the copy closed the round without the newcomer"
+    if waits:
+        assert b.rounds.keys[key].done == 0, "the copy closed the round without the newcomer"
+    else:  # the primary's round 0 went without it: the copy counted it and goes on alike
+        assert b.rounds.keys[key].done == 1
+        call(b, 0, "push", {"keys": [K], "epoch": 4}, [np.ones(4, np.float32)], msg_id=11)
+        assert b.rounds.keys[key].done == 2, "the copy waits for the newcomer"
 
 
 def test_a_backup_changes_optimizer_where_its_primary_did_among_the_rounds():
@@ -613,7 +631,7 @@ def test_a_row_sparse_backup_holds_its_primary_s_bits_under_any_interleaving(dat
     once the forwards are delivered, the backup's table is its primary's, bit for bit (rows,
     steps, changed stamps, optimizer state, update counts)."""
     from kvstore import optimizer as opt
-    from kvstore.sparse import dump_states, zeros
+    from kvstore.sparse import RowTable, dump_states, zeros
 
     W = data.draw(st.integers(2, 3), label="W")
     spec = {**zeros(), **data.draw(st.sampled_from([{}, {"admit_after": 2}, {"evict_after": 3}]))}
@@ -642,7 +660,7 @@ def test_a_row_sparse_backup_holds_its_primary_s_bits_under_any_interleaving(dat
     pushes = [0] * W
     row_ids = st.lists(st.integers(0, 40), max_size=6).map(lambda x: sorted(set(x)))
     events = ["push", "push", "push", "load", "deliver"]
-    events += ["optimizer", "save", "restore"] if optimizer else []
+    events += ["optimizer", "save", "restore", "refused"] if optimizer else []
     for _ in range(data.draw(st.integers(1, 25), label="steps")):
         what = data.draw(st.sampled_from(events))
         rank = data.draw(st.integers(0, W - 1))
@@ -657,6 +675,17 @@ def test_a_row_sparse_backup_holds_its_primary_s_bits_under_any_interleaving(dat
                 body = {"name": "set_states", "home": 0}
                 msg = Message("command", next(ids), "worker-0", body, [np.frombuffer(saved, "u1")])
                 p._on_command(b"worker-0", 0, msg)
+            continue
+        if what == "refused":  # a file that names a key this job lacks changes nothing
+            other = RowTable(4, np.float32)
+            other.assign(np.array([3]), np.ones((1, 4), np.float32))
+            bad = dump_states(p.updater, {**p._tables_of(0), ("zz", 0): other})
+            before = dump_states(p.updater, p._tables_of(0))
+            body = {"name": "set_states", "home": 0}
+            msg = Message("command", next(ids), "worker-0", body, [np.frombuffer(bad, "u1")])
+            with pytest.raises(ValueError, match="not initialised"):
+                p._on_command(b"worker-0", 0, msg)
+            assert dump_states(p.updater, p._tables_of(0)) == before, "a refused load changed"
             continue
         if what == "push":
             rows = data.draw(row_ids)

@@ -831,3 +831,24 @@ def test_a_restart_admits_and_evicts_as_the_job_would_have(rounds, cut, admit, e
         assert a.cand_ids.tolist() == b.cand_ids.tolist()
         assert a.cand_counts.tolist() == b.cand_counts.tolist()
         assert a.cand_last.tolist() == b.cand_last.tolist()
+
+
+def test_a_refused_state_file_changes_nothing():
+    """(From review.) A state file is checked whole before anything is loaded: one naming a
+    key this store lacks used to load the keys before it, then fail (a primary so refused
+    differed from its backup, which never got it)."""
+    up = opt.Updater(opt.SGD(learning_rate=0.1, momentum=0.9))
+    table, other = RowTable(2, np.float32), RowTable(2, np.float32)
+    for t, value in ((table, 1.0), (other, 5.0)):
+        t.apply(np.array([1, 4]), np.full((2, 2), value, np.float32), up.optimizer, 1, 0.1)
+    up.counts["e"] = 1
+    saved = sparse.dump_states(up, {"e": table})
+    table.apply(np.array([1, 4]), np.full((2, 2), 2.0, np.float32), up.optimizer, 2, 0.1)
+    up.counts["e"] = 2
+    now = sparse.dump_states(up, {"e": table})
+    bad = sparse.dump_states(up, {"e": other, "zz": other})  # (only "e" is known here)
+    with pytest.raises(ValueError, match="not initialised"):
+        sparse.load_states(up, {"e": table}, bad)
+    assert sparse.dump_states(up, {"e": table}) == now
+    sparse.load_states(up, {"e": table}, saved)  # a good one still loads
+    assert sparse.dump_states(up, {"e": table}) != now
