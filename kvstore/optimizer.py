@@ -633,24 +633,32 @@ class Updater:
     def loads(self, blob: bytes, like: dict | None = None) -> None:
         """Load :meth:`dumps` output. ``like`` maps a key to a weight, whose array module and
         device the loaded state takes (so a CuPy store gets CuPy state)."""
-        data = _unpack_states(blob)
+        data = _unpack_states(blob)  # (checked whole, converted, then loaded)
+        loaded = []
         for key, count, arrays in data["entries"]:
             ref = (like or {}).get(key)
             if ref is not None:
                 xp = namespace(ref)
                 arrays = [xp.asarray(a) for a in arrays]
-            self.states[key] = tuple(arrays)
+            loaded.append((key, count, tuple(arrays)))
+        for key, count, arrays in loaded:
+            self.states[key] = arrays
             self.counts[key] = count
         self.num_update = max(self.num_update, data["num_update"])
 
 
 def _unpack_states(blob: bytes) -> dict:
+    """:meth:`Updater.dumps` output, parsed and checked (a ``ValueError`` if it is not)."""
     try:
         data = msgpack.unpackb(blob, strict_map_key=False)
         data["entries"] = [
             (_from_wire_key(k), c, [unpack_array(a) for a in arrs])
             for k, c, arrs in data["entries"]
         ]
+        if type(data["num_update"]) is not int or not all(
+            type(c) is int for _, c, _ in data["entries"]
+        ):
+            raise ValueError("update counts must be ints")
         return data
     except Exception as exc:
         raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None

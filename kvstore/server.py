@@ -40,7 +40,14 @@ from .protocol import Message, ProtocolError, decode, error_reply, internal, req
 from .replication import Backup, Primary
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import acting, row_server
-from .sparse import SparseKeys, bounds_of, check_init, check_optimizer, dump_states, load_states
+from .sparse import (
+    SparseKeys,
+    bounds_of,
+    check_init,
+    check_optimizer,
+    check_states,
+    dump_states,
+)
 
 log = logging.getLogger("kvstore.server")
 
@@ -948,14 +955,30 @@ class Server:
             if msg.body.get("resend") is True and self.backup.duplicate_load(mark, rank, msg.id):
                 self._send(identity, Message("ack", msg.id, self.name))
                 return
-        load_states(updater, self._tables_of(home), msg.arrays[0].tobytes())
-        if self.chains is None or not self._targets[home]:
-            self._send(identity, Message("ack", msg.id, self.name))
-            return
-        states = ({"states": [rank, msg.id]}, [msg.arrays[0]])
-        self._send_forwards({home: []}, states)
-        for ready in self.primary.answer(Request(identity, msg), [mark]):
-            self._reply(ready)
+        why = self._load_states(updater, home, msg.arrays[0].tobytes())
+        if self.chains is not None and self._targets[home]:  # (a failed one too: alike)
+            states = ({"states": [rank, msg.id], "failed": why}, [msg.arrays[0]])
+            self._send_forwards({home: []}, states)
+            if not why:
+                for ready in self.primary.answer(Request(identity, msg), [mark]):
+                    self._reply(ready)
+                return
+        if why:
+            raise RuntimeError(f"set_states failed part way ({why}): restart the job")
+        self._send(identity, Message("ack", msg.id, self.name))
+
+    def _load_states(self, updater, home: int, blob: bytes) -> str:
+        """Load a state file into ``home``'s updater and tables; checked whole first (a
+        ``ValueError``: nothing changed). Returns why it failed part way, if it did (memory):
+        a backup loads the same and must fail alike."""
+        apply = check_states(updater, self._tables_of(home), blob)
+        try:
+            updater.loads(blob)
+            apply()
+        except Exception as exc:
+            log.exception("%s: set_states failed part way", self.name)
+            return f"{type(exc).__name__}: {exc}"
+        return ""
 
     def _ack_optimizer(self, identity: bytes, msg: Message) -> None:
         """With replicas, once the backups hold the optimizer installed (every worker's call:
@@ -1261,17 +1284,24 @@ class Server:
                 raise ValueError(f"replica: bad optimizer calls {calls!r:.20}")
             self._set_home_optimizer(home, calls, spec)
         if states is not None:  # load_optimizer_states, between the rounds around it
+            failed = msg.body.get("failed", "")
             if (
                 not isinstance(states, list)
                 or len(states) != 2
                 or not all(type(x) is int for x in states)
                 or blob is None
+                or type(failed) is not str
             ):
                 raise ValueError(f"replica: bad states {states!r:.40}")
             updater = self.backup_updaters.get(home)
             if updater is None:
                 raise ValueError(f"replica: states of server {home}'s parts, but no optimizer")
-            load_states(updater, self._tables_of(home), blob.tobytes())
+            why = self._load_states(updater, home, blob.tobytes())
+            if why != failed:
+                raise RuntimeError(
+                    f"the copy here cannot follow its primary's load_optimizer_states (there: "
+                    f"{failed or 'loaded'}; here: {why or 'loaded'})"
+                )
             self.backup.loaded((None, home), *states)
         for key, value, accumulate, pushes, applied in checked:
             if key not in self.rows.tables:

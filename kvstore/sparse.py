@@ -590,34 +590,43 @@ class RowTable:
         at, candidate ids, their counts, the step each was last pushed at)."""
         return (self.ids, self.changed[self.slots], self.cand_ids, self.cand_counts, self.cand_last)
 
-    def check_bookkeeping(self, ids, changed, cand_ids, counts, last) -> None:
-        """Refuse :meth:`bookkeeping`'s arrays unless they fit this table."""
-        n, m = len(ids), len(cand_ids)
+    def check_bookkeeping(self, step, ids, changed, cand_ids, counts, last) -> None:
+        """Refuse :meth:`bookkeeping`'s arrays (at ``step``) unless they fit this table."""
         if (
-            len(changed) != n
-            or len(counts) != m
-            or len(last) != m
-            or (n and not (0 <= ids.min() and ids.max() < self.rows))
-            or (m and not (0 <= cand_ids.min() and cand_ids.max() < self.rows))
-            or (m > 1 and not (np.diff(cand_ids) > 0).all())
+            type(step) is not int
+            or not 0 <= step < 2**31
+            or not _ids(ids)
+            or not _ids(cand_ids)
+            or (ids.size and not (0 <= ids[0] and ids[-1] < self.rows))
+            or (cand_ids.size and not (0 <= cand_ids[0] and cand_ids[-1] < self.rows))
+            or not _steps(changed, ids.size, step)
+            or not _steps(last, cand_ids.size, step)
+            or not _steps(counts, cand_ids.size, 2**31 - 1, 1)
         ):
             raise ValueError("the admission state does not fit this table: saved for another")
 
     def restore_bookkeeping(self, step: int, ids, changed, cand_ids, counts, last) -> None:
-        """:meth:`bookkeeping`'s arrays at ``step`` (checked: :meth:`check_bookkeeping`). The
-        table's steps go on from ``step`` at least; each stored row of ``ids`` gets its step
-        from ``changed`` (rows not stored are not made: load the rows first, as a later
-        ``load_rows`` stamps the rows it loads with the step then), and the candidates come
-        back (where rows are admitted by count)."""
-        self.restore_step(step)
-        found, slots = self.find(np.asarray(ids, np.int64))
-        self.changed[slots[found]] = np.minimum(changed[found], self.step)
+        """:meth:`bookkeeping`'s arrays at ``step`` (checked: :meth:`check_bookkeeping`). A
+        table at or behind ``step`` (a restart: load the rows first) goes on from ``step``,
+        each stored row of ``ids`` with its step from ``changed`` (rows not stored are not
+        made; a later ``load_rows`` stamps the rows it loads with the step then). A table
+        ahead (an older checkpoint loaded mid-training) keeps its step: the ages move to now,
+        and no row counts as changed earlier than its load. Candidates come back where rows
+        are admitted by count."""
+        found, slots = self.find(ids.astype(np.int64))
+        slots, changed = slots[found], changed[found].astype(np.int64)
+        shift = max(self.step - step, 0)
+        if shift:
+            self.changed[slots] = np.maximum(self.changed[slots], changed + shift)
+        else:
+            self.restore_step(step)
+            self.changed[slots] = changed
         if self.admit_after <= 1:
             return
-        stored = self.find(np.asarray(cand_ids, np.int64))[0]  # (admitted since: not candidates)
-        self.cand_ids = np.asarray(cand_ids, np.int64)[~stored]
-        self.cand_counts = np.asarray(counts, np.int32)[~stored]
-        self.cand_last = np.minimum(np.asarray(last, np.int32), self.step)[~stored]
+        stored = self.find(cand_ids.astype(np.int64))[0]  # (admitted since: not candidates)
+        self.cand_ids = cand_ids.astype(np.int64)[~stored]
+        self.cand_counts = counts.astype(np.int32)[~stored]
+        self.cand_last = (last.astype(np.int64) + shift).astype(np.int32)[~stored]
 
     def restore_step(self, step: int) -> None:
         """Continue counting steps from ``step`` (a checkpoint's), when that is ahead."""
@@ -1242,10 +1251,10 @@ def dump_states(updater, tables: dict) -> bytes:
         rows.append([_wire_key(key), updater.counts.get(key, 0), pack_array(table.ids), states])
     data["rows"] = rows
     data["admission"] = [  # its step, when rows changed, and the candidates: what exports,
-        # admission and eviction go on from (a table with neither rows nor candidates: none)
+        # admission and eviction go on from (a table never pushed nor loaded: none)
         [_wire_key(key), table.step, *(pack_array(a) for a in table.bookkeeping())]
         for key, table in tables.items()
-        if table.count or table.cand_ids.size
+        if table.count or table.cand_ids.size or table.step
     ]
     return msgpack.packb(data)
 
@@ -1254,23 +1263,39 @@ def load_states(updater, tables: dict, blob: bytes, dense: bool = True, like=Non
     """Load :func:`dump_states`' output: the dense states into ``updater`` (unless ``dense``
     is False: the caller did; ``like``: see :meth:`kvstore.optimizer.Updater.loads`), each
     row-sparse key's state into its table (rows not stored yet are created from the
-    initializer; load their values with ``load_rows``), and its bookkeeping. Everything is
-    checked before anything changes: a refused file changes nothing (a replica that refuses
-    it stays its primary's copy)."""
+    initializer; load their values with ``load_rows``), and its bookkeeping. The file is
+    checked whole first (:func:`check_states`): a ``ValueError`` changes nothing."""
+    apply = check_states(updater, tables, blob)
+    if dense:
+        updater.loads(blob, like=like)
+    apply()
+
+
+def check_states(updater, tables: dict, blob: bytes):
+    """Parse and check :func:`dump_states`' output against ``tables`` and the optimizer,
+    changing nothing (a ``ValueError`` saying what does not fit); returns the call that
+    loads its row-sparse part (past the checks, only memory can fail it)."""
     import msgpack
 
-    from .optimizer import _from_wire_key, unpack_array
+    from .optimizer import _from_wire_key, _unpack_states, unpack_array
 
+    _unpack_states(blob)  # the dense part
     try:
         data = msgpack.unpackb(blob, strict_map_key=False)
         entries = [
-            (_from_wire_key(k), int(c), unpack_array(i), [unpack_array(s) for s in states])
+            (_from_wire_key(k), c, unpack_array(i), [unpack_array(s) for s in states])
             for k, c, i, states in data.get("rows") or []
         ]
         books = [
-            (_from_wire_key(k), int(step), [unpack_array(a) for a in arrays])
+            (_from_wire_key(k), step, [unpack_array(a) for a in arrays])
             for k, step, *arrays in data.get("admission") or []
         ]
+        for what, keys in (("rows", [e[0] for e in entries]), ("admission", [b[0] for b in books])):
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"a key appears twice in its {what}")
+        for _, count, ids, _ in entries:
+            if type(count) is not int or not _ids(ids):
+                raise ValueError("row states need an update count and increasing int ids")
     except Exception as exc:
         raise ValueError(f"not an optimizer state file written by kvstore: {exc}") from None
 
@@ -1294,21 +1319,38 @@ def load_states(updater, tables: dict, blob: bytes, dense: bool = True, like=Non
                 f"({len(states)} states of {ids.size} rows; {optimizer.name} keeps "
                 f"{len(fresh)} of dim {table.dim}): set the optimizer they were saved with"
             )
-        if ids.size and not (0 <= ids.min() and ids.max() < table.rows):
+        if ids.size and not (0 <= ids[0] and ids[-1] < table.rows):
             raise ValueError(
                 f"the optimizer states of row-sparse key {key!r} hold row ids outside "
                 f"[0, {table.rows}): they were saved for another table"
             )
-    for key, _, arrays in books:
-        table_of(key).check_bookkeeping(*arrays)
-    if dense:
-        updater.loads(blob, like=like)
-    for key, count, ids, states in entries:
-        table = tables[key]
-        table._states_for(optimizer)
-        slots = table.slots_of(ids.astype(np.int64))
-        for stored, value in zip(table.states, states, strict=True):
-            stored[slots] = value
-        updater.counts[key] = count
     for key, step, arrays in books:
-        tables[key].restore_bookkeeping(step, *arrays)
+        table_of(key).check_bookkeeping(step, *arrays)
+
+    def apply() -> None:
+        for key, count, ids, states in entries:
+            table = tables[key]
+            table._states_for(optimizer)
+            slots = table.slots_of(ids.astype(np.int64))
+            for stored, value in zip(table.states, states, strict=True):
+                stored[slots] = value
+            updater.counts[key] = count
+        for key, step, arrays in books:
+            tables[key].restore_bookkeeping(step, *arrays)
+
+    return apply
+
+
+def _ids(a) -> bool:
+    """Whether ``a`` is a 1-D array of increasing (so unique) ints."""
+    return a.ndim == 1 and a.dtype.kind in "iu" and (a.size < 2 or bool((a[1:] > a[:-1]).all()))
+
+
+def _steps(a, n: int, high: int, low: int = 0) -> bool:
+    """Whether ``a`` is ``n`` ints in ``[low, high]``."""
+    return (
+        a.ndim == 1
+        and a.size == n
+        and a.dtype.kind in "iu"
+        and (n == 0 or bool(low <= a.min() and a.max() <= high))
+    )

@@ -715,9 +715,9 @@ class KVStore:
         only the rows changed after step ``s`` (rows created count), to export what changed
         in between (online training). Includes every push this worker made before the call.
         A ``since`` past the current step is refused (a restarted store counts from 0 unless
-        ``load_rows`` restored the step). Under ``dist_async`` the servers' steps can differ
-        for a moment; the step returned is the smallest, so an export from it may repeat a
-        few rows but never misses one.
+        ``load_rows`` or ``load_optimizer_states`` restored the step). Under ``dist_async``
+        the servers' steps can differ for a moment; the step returned is the smallest, so an
+        export from it may repeat a few rows but never misses one.
 
         >>> rows, step = kv.save_rows('emb')  # doctest: +SKIP
         >>> later, step = kv.save_rows('emb', since=step)  # doctest: +SKIP

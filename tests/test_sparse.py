@@ -850,5 +850,50 @@ def test_a_refused_state_file_changes_nothing():
     with pytest.raises(ValueError, match="not initialised"):
         sparse.load_states(up, {"e": table}, bad)
     assert sparse.dump_states(up, {"e": table}) == now
+    import msgpack
+
+    from kvstore.optimizer import pack_array
+
+    def edited(change):
+        data = msgpack.unpackb(saved, strict_map_key=False)
+        change(data)
+        return msgpack.packb(data)
+
+    def book(i, value):
+        return lambda d: d["admission"][0].__setitem__(i, value)
+
+    malformed = [  # (from review: each used to load part of the file, then fail)
+        book(1, 2**31),  # the step
+        book(3, pack_array(np.array([[1, 1]], np.int32))),  # a 2-D changed
+        book(3, pack_array(np.array([1, 99], np.int32))),  # changed after the step
+        book(2, pack_array(np.array([4, 1]))),  # ids not increasing
+        lambda d: d["rows"][0].__setitem__(2, pack_array(np.array([4, 4]))),  # repeated ids
+        lambda d: d["rows"].append(d["rows"][0]),  # a key twice
+        lambda d: d.pop("num_update"),
+    ]
+    for change in malformed:
+        with pytest.raises(ValueError):
+            sparse.load_states(up, {"e": table}, edited(change))
+        assert sparse.dump_states(up, {"e": table}) == now
     sparse.load_states(up, {"e": table}, saved)  # a good one still loads
     assert sparse.dump_states(up, {"e": table}) != now
+
+
+def test_an_older_checkpoint_loaded_mid_training_keeps_ages_from_now():
+    """(From review.) States of step 1 loaded into a table at step 20 (rows just loaded
+    with load_rows): the step stays, no row counts as changed before its load (an export
+    since then lists it), and the candidates' ages move to now."""
+    up = opt.Updater(opt.SGD(learning_rate=0.1))
+    init = RowSparse.empty((100, 2), admit_after=2, evict_after=8).init
+    table = RowTable(2, np.float32, init, rows=100)
+    for ids in ([1, 4], [1, 4], [7]):  # 1, 4 admitted at step 2; 7 a candidate
+        table.apply(np.array(ids), np.ones((len(ids), 2), np.float32), up.optimizer, 1, 0.1)
+    saved = sparse.dump_states(up, {"e": table})
+    for _ in range(17):
+        table.apply(np.array([9]), np.ones((1, 2), np.float32), up.optimizer, 1, 0.1)
+    assert table.step == 20
+    table.assign(np.array([1, 4]), np.zeros((2, 2), np.float32))  # load_rows now
+    sparse.load_states(up, {"e": table}, saved)
+    assert table.step == 20
+    assert {1, 4} <= set(table.changed_since(19)[0].tolist())
+    assert table.cand_ids.tolist() == [7] and table.cand_last.tolist() == [20]
