@@ -287,6 +287,44 @@ def test_a_key_taken_over_updates_with_the_optimizer_set_last(lost):
     assert b.stored[key].tolist() == [0.0] * 4, "not updated with lr 0.5 (1 - 0.5 * 2)"
 
 
+@pytest.mark.parametrize("backup_fails", [True, False])
+def test_a_state_load_that_fails_part_way_must_fail_alike_on_the_backup(backup_fails):
+    """(From review.) Past its checks a load can still fail part way (memory): the primary
+    forwards it with why, and the backup, loading the same, must fail alike, or it refuses
+    the forward (and is no replica any more), never holding other states than its primary."""
+    from kvstore.compression import PullCodes
+    from kvstore.optimizer import SGD
+    from kvstore.sparse import dump_states
+
+    p, b = rows_server(2, 0), rows_server(2, 1)
+    for s in (p, b):
+        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+        rows_init(s, "e", 0)
+        for rank in range(2):
+            spec = SGD(learning_rate=0.1, momentum=0.9).spec()
+            msg = Message("optimizer", 50 + rank, f"worker-{rank}", {"spec": spec})
+            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+    for rank in range(2):
+        body = {"keys": [["e", 0]], "sync": True}
+        rows_call(p, rank, "sparse_push", body, row_set([1, 2], 1.0 + rank), 60 + rank)
+    assert deliver(p, b) == []
+    saved = dump_states(p.updater, p._tables_of(0))
+
+    def out_of_memory(*_):
+        raise MemoryError("no room")
+
+    for s in (p, b) if backup_fails else (p,):
+        s.rows.tables[("e", 0)].restore_bookkeeping = out_of_memory
+    body = {"name": "set_states", "home": 0}
+    msg = Message("command", 900, "worker-0", body, [np.frombuffer(saved, np.uint8)])
+    with pytest.raises(RuntimeError, match="failed part way"):
+        p._on_command(b"worker-0", 0, msg)
+    ((forward, _),) = p.forwards
+    assert forward.body["failed"] == "MemoryError: no room"
+    refused = deliver(p, b)
+    assert bool(refused) != backup_fails, refused
+
+
 def test_load_optimizer_states_is_forwarded_in_order_and_never_loaded_twice():
     """load_optimizer_states reached every replica on its own, so a backup could load the
     states on the other side of a round than its primary. It now goes to the acting server,
