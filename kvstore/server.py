@@ -715,15 +715,20 @@ class Server:
             root = _ROOT_ONLY.match(key[0]) if isinstance(key[0], str) else None
             if root is not None:  # a backup copy too: it may answer for it one day
                 self._roots[key] = int(root[1])
-            before = self._made_after(msg)
-            if home != self.rank:  # a backup copy: in no round here while its primary lives
-                answering = acting(home, self.chains, self.dead) == self.rank
-                self.backup.hold(key, home, members, answering, arrivals, before)
-                if not answering:
-                    continue
-            absent = set(self.rounds.newcomers) - set(before)
-            self.rounds.add_key(key, members, arrivals=arrivals, absent=absent)
+            self._enter_key(key, home, msg, members, arrivals)
         self._send(identity, Message("ack", msg.id, self.name))
+
+    def _enter_key(self, key, home: int, msg: Message, members=None, arrivals=None) -> None:
+        """A key part ``msg`` made here enters this server's rounds; a backup's copy of
+        server ``home``'s is held out of them while its primary lives (``Backup.hold``)."""
+        before = self._made_after(msg)
+        if home != self.rank:
+            answering = acting(home, self.chains, self.dead) == self.rank
+            self.backup.hold(key, home, members, answering, arrivals, before)
+            if not answering:
+                return
+        absent = set(self.rounds.newcomers) - set(before)
+        self.rounds.add_key(key, members, arrivals=arrivals, absent=absent)
 
     def _made_after(self, msg: Message) -> dict:
         """The newcomers (``{slot: arrival epoch}``) an ``init``'s keys are made after: those
@@ -1535,13 +1540,7 @@ class Server:
         for key, rows, dim, dtype, init, ids, data, owned in made:
             self._owned[key] = owned
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
-            before = self._made_after(msg)
-            if home != self.rank:  # a backup copy: in no round here while its primary lives
-                answering = acting(home, self.chains, self.dead) == self.rank
-                self.backup.hold(key, home, None, answering, None, before)
-                if not answering:
-                    continue
-            self.rounds.add_key(key, absent=set(self.rounds.newcomers) - set(before))
+            self._enter_key(key, home, msg)
         self._send(identity, Message("ack", msg.id, self.name))
 
     @metrics.served

@@ -212,21 +212,13 @@ def test_a_backup_changes_optimizer_where_its_primary_did_among_the_rounds():
     which may come before the forward of a round its primary applied with the old one: that
     round was applied with another learning rate there, and after a failover the values
     were not the primary's. The primary now forwards the change in its place."""
-    from kvstore.compression import PullCodes
     from kvstore.optimizer import SGD
 
-    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
-    for s in (p, b):
-        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+    p, b = _dense_pair()
     K, key = ["k", 0], ("k", 0)
-    for s in (p, b):
-        call(s, 0, "init", {"keys": [K], "home": 0}, [np.ones(4, np.float32)])
 
     def set_optimizer(s, lr, at):
-        spec = SGD(learning_rate=lr, momentum=0.9).spec()
-        for rank in range(2):
-            msg = Message("optimizer", at + rank, f"worker-{rank}", {"spec": spec})
-            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+        _set_optimizer(s, SGD(learning_rate=lr, momentum=0.9), at)
 
     for s in (p, b):
         set_optimizer(s, 0.1, 50)
@@ -256,21 +248,13 @@ def test_a_key_taken_over_updates_with_the_optimizer_set_last(lost):
     """The primary dies after a second set_optimizer: either before it forwarded the change
     (the backup heard the workers' calls only), or the backup heard only the forward so far.
     Either way the taken-over copy updates the next rounds with the optimizer set last."""
-    from kvstore.compression import PullCodes
     from kvstore.optimizer import SGD
 
-    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
-    for s in (p, b):
-        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+    p, b = _dense_pair()
     K, key = ["k", 0], ("k", 0)
-    for s in (p, b):
-        call(s, 0, "init", {"keys": [K], "home": 0}, [np.ones(4, np.float32)])
 
     def set_optimizer(s, lr, at):
-        spec = SGD(learning_rate=lr).spec()
-        for rank in range(2):
-            msg = Message("optimizer", at + rank, f"worker-{rank}", {"spec": spec})
-            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+        _set_optimizer(s, SGD(learning_rate=lr), at)
 
     for s in (p, b):
         set_optimizer(s, 0.1, 50)
@@ -300,10 +284,7 @@ def test_a_state_load_that_fails_part_way_must_fail_alike_on_the_backup(backup_f
     for s in (p, b):
         s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
         rows_init(s, "e", 0)
-        for rank in range(2):
-            spec = SGD(learning_rate=0.1, momentum=0.9).spec()
-            msg = Message("optimizer", 50 + rank, f"worker-{rank}", {"spec": spec})
-            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+        _set_optimizer(s, SGD(learning_rate=0.1, momentum=0.9), 50)
     for rank in range(2):
         body = {"keys": [["e", 0]], "sync": True}
         rows_call(p, rank, "sparse_push", body, row_set([1, 2], 1.0 + rank), 60 + rank)
@@ -331,20 +312,13 @@ def test_load_optimizer_states_is_forwarded_in_order_and_never_loaded_twice():
     which forwards it in its place and answers once the backups hold it; a copy refuses it;
     re-sent after a failover to a backup that holds it, it is answered, not loaded again
     (that would undo the rounds applied since)."""
-    from kvstore.compression import PullCodes
     from kvstore.optimizer import SGD
     from kvstore.sparse import dump_states
 
-    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
-    for s in (p, b):
-        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+    p, b = _dense_pair()
     K, key = ["k", 0], ("k", 0)
     for s in (p, b):
-        call(s, 0, "init", {"keys": [K], "home": 0}, [np.ones(4, np.float32)])
-        for rank in range(2):
-            spec = SGD(learning_rate=0.1, momentum=0.9).spec()
-            msg = Message("optimizer", 50 + rank, f"worker-{rank}", {"spec": spec})
-            s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
+        _set_optimizer(s, SGD(learning_rate=0.1, momentum=0.9), 50)
     assert deliver(p, b) == []
 
     def round_(s, n, epoch=0):
@@ -378,6 +352,25 @@ def test_load_optimizer_states_is_forwarded_in_order_and_never_loaded_twice():
     set_states(b, saved, resend=True)
     assert 900 in {m.id for _, m in b.sent if m.kind == "ack"}
     assert dump_states(b.backup_updaters[0], b._tables_of(0)) == held, "loaded twice"
+
+
+def _dense_pair():
+    """A primary (server 0) and its backup, W=2, holding dense key k of home 0 (ones)."""
+    from kvstore.compression import PullCodes
+
+    p, b = replicated_server(2, rank=0), replicated_server(2, rank=1)
+    for s in (p, b):
+        s.pull_codes, s._optimizer_calls, s._optimizer_count = PullCodes(), [], {}
+        call(s, 0, "init", {"keys": [["k", 0]], "home": 0}, [np.ones(4, np.float32)])
+    return p, b
+
+
+def _set_optimizer(s, optimizer, at: int, W: int = 2) -> None:
+    """Every worker's ``set_optimizer(optimizer)`` as server ``s`` handles it (ids ``at``...)."""
+    spec = optimizer.spec()
+    for rank in range(W):
+        msg = Message("optimizer", at + rank, f"worker-{rank}", {"spec": spec})
+        s._on_optimizer(f"worker-{rank}".encode(), rank, msg)
 
 
 def _members(s, epoch, left=None, joined=None):
