@@ -111,6 +111,12 @@ class Control:
         auth.control_socket(sock, cfg)
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        monitor = None
+        if not cfg.insecure:  # a refused key fails at once, not at the start-up deadline;
+            # watched before connecting: a handshake that fails at once (a connection that
+            # met itself) was missed, and nothing connected again until the deadline
+            watch = _HANDSHAKE_FAILED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            monitor = sock.get_monitor_socket(watch)
         sock.connect(self.address)
         register = encode(
             Message(
@@ -135,10 +141,7 @@ class Control:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(peer, zmq.POLLIN)
-        monitor = None
-        if not cfg.insecure:  # a refused key fails at once, not at the start-up deadline
-            watch = _HANDSHAKE_FAILED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            monitor = sock.get_monitor_socket(watch)
+        if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = last_turn = time.monotonic()
         registered = finalizing = refused = False

@@ -270,9 +270,16 @@ class Membership:
         if b["role"] not in ROLES:
             return _refuse(identity, msg, f"scheduler: cannot register role {b['role']!r}")
         if identity in self.nodes:
-            return _refuse(
-                identity, msg, f"scheduler: duplicate registration from {self.nodes[identity].name}"
-            )
+            node = self.nodes[identity]
+            if (node.role, node.host, node.port, node.pid) == (
+                b["role"],
+                b["host"],
+                b["port"],
+                b["pid"],
+            ):  # the same registration again: its link to the scheduler was tried again
+                # after a handshake failed, and the first had arrived (control.py)
+                return [Log(logging.INFO, f"{node.name} registered again: the same, ignored")]
+            return _refuse(identity, msg, f"scheduler: duplicate registration from {node.name}")
         wanted = cfg.num_server if b["role"] == "server" else cfg.num_worker
         have = sum(n.role == b["role"] and not n.left for n in self.nodes.values())
         if self.elastic and b["role"] == "worker" and (self.ready or have < wanted):

@@ -209,7 +209,7 @@ def test_scheduler_rejects_bad_registrations(cluster):
         node.sock.send_multipart(_register())  # the one worker: accepted, book follows
         assert node.sock.poll(10000)
         assert decode(node.sock.recv_multipart()).kind == "book"
-        reply = node.ask(_register())
+        reply = node.ask(_register(pid=3))  # (the same one again is taken as a retry)
         assert "duplicate registration" in reply.body["message"]
         other = RawNode("tcp://{}:{}".format(*address), secret=secret)
         try:

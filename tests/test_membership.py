@@ -272,8 +272,10 @@ def test_registration_refusals_keep_their_messages():
         b"x", Message("barrier", 1, "x", {"group": "all"})
     )
     m.receive(b"w", register("worker", num_worker=1), 0.0)
+    again = m.receive(b"w", register("worker", num_worker=1), 0.0)  # a retried link's: the same
+    assert not [a for a in again if isinstance(a, Send)], again
     assert "duplicate registration from worker ? (h pid 1)" in refused(
-        b"w", register("worker", num_worker=1)
+        b"w", register("worker", pid=3, num_worker=1)
     )
     text = refused(b"v", register("worker", pid=2, num_worker=1))
     assert "too many workers: worker at h pid 2 arrived but all 1 have registered" in text
