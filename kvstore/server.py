@@ -1006,7 +1006,7 @@ class Server:
         for home in self._targets:
             if home != self.rank:
                 self._set_home_optimizer(home, calls, spec)
-        control = ({"optimizer": spec, "calls": len(self._optimizer_calls)}, [])
+        control = ({"optimizer": spec, "calls": calls}, [])
         self._send_forwards({home: [] for home, to in self._targets.items() if to}, control)
 
     def _set_home_optimizer(self, home: int, calls: int, spec: dict) -> None:
