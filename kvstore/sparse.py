@@ -201,30 +201,6 @@ class RowSparse:
         return out
 
 
-def put_rows(block: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-    """``block[slots] = rows`` (``slots`` valid, last write wins), each row copied as one
-    opaque item: ``np.put`` of a row-wide void view is about twice as fast as NumPy's
-    fancy-index assignment of 2-D rows, the scatter a round and a reply spend most on.
-
-    >>> block = np.zeros((4, 2), np.float32)
-    >>> put_rows(block, np.array([2, 0]), np.ones((2, 2), np.float32))
-    >>> block[:, 0].tolist()
-    [1.0, 0.0, 1.0, 0.0]
-    """
-    width = block.shape[1] * block.dtype.itemsize if block.ndim == 2 else 0
-    if (
-        width == 0
-        or rows.dtype != block.dtype
-        or rows.shape != (slots.size, block.shape[1])
-        or not block.flags.c_contiguous
-        or not rows.flags.c_contiguous
-    ):
-        block[slots] = rows
-        return
-    item = np.dtype((np.void, width))
-    np.put(block.view(item).reshape(-1), slots, rows.view(item).reshape(-1))
-
-
 def _from_coo(rows, cols, values, shape) -> RowSparse:
     rows = np.asarray(rows, np.int64)
     ids, inverse = np.unique(rows, return_inverse=True)
@@ -664,7 +640,7 @@ class RowTable:
             # push of the round)
             earlier = None if again is None else self.block[where[again]]
             given = rows if normal else np.add(zero, rows, out=self._scratch(rows))
-            put_rows(self.block, where, given)
+            self.block[where] = given
             if earlier is not None:
                 self.block[where[again]] = earlier + rows[again]
                 dups.append(ids[again])
@@ -709,7 +685,7 @@ class RowTable:
             if accumulate:
                 self.block[slots] += rows
             else:
-                put_rows(self.block, slots, rows)
+                self.block[slots] = rows
             self.changed[slots] = self.step
             return done
         self._states_for(optimizer)
@@ -1171,13 +1147,13 @@ class RowCollector:
                 if not d.size:
                     continue
                 if isinstance(pos, slice):
-                    put_rows(block[pos], d, rows)
+                    block[pos][d] = rows
                 else:
-                    put_rows(block, pos[d], rows)
+                    block[pos[d]] = rows
             elif isinstance(pos, slice):  # a run: one copy
                 block[pos] = rows
             else:
-                put_rows(block, pos, rows)
+                block[pos] = rows
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.cancelled:

@@ -557,29 +557,6 @@ def test_outputs_of_one_pull_do_not_share_rows():
     assert np.array_equal(second.data, block) and np.array_equal(second.indices, ids)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    rows=st.integers(1, 30),
-    dim=st.integers(0, 9),
-    dtype=st.sampled_from(["float16", "float32", "float64", "complex64"]),
-    data=st.data(),
-)
-def test_put_rows_is_fancy_assignment(rows, dim, dtype, data):
-    """``put_rows`` writes what ``block[slots] = rows`` writes (rows of another dtype or
-    strided rows included, which take NumPy's own path)."""
-    order = data.draw(st.permutations(range(rows)))
-    slots = np.array(order[: data.draw(st.integers(0, rows))], np.int64)
-    rng = np.random.default_rng(rows * 31 + dim)
-    block = rng.standard_normal((rows, dim)).astype(dtype)
-    pushed = rng.standard_normal((slots.size, 2 * dim)).astype(dtype)[:, ::2]  # strided
-    other = pushed.real.astype(np.float32 if dtype == "float64" else np.float64)
-    for value in (pushed, np.ascontiguousarray(pushed), other):
-        want, got = block.copy(), block.copy()
-        want[slots] = value
-        sparse.put_rows(got, slots.astype(np.int32), value)
-        assert np.array_equal(want, got, equal_nan=True)
-
-
 @settings(max_examples=100, deadline=None)
 @given(
     data=st.data(),
