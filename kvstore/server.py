@@ -684,25 +684,16 @@ class Server:
         """``members``: a group's keys, which every member initialises (no barrier across all
         workers): the first init creates a key, the same init again is answered as done."""
         keys = [tuple(k) for k in msg.body["keys"]]
-        members = _members_of(msg.body.get("members"), rank, self.num_workers)
-        arrivals = msg.body.get("arrivals")
-        if arrivals is not None and (
-            members is None
-            or not isinstance(arrivals, list)
-            or len(arrivals) != len(members)
-            or any(type(a) is not int for a in arrivals)
-        ):
-            raise ValueError(f"arrivals: expected an int per member, got {arrivals!r:.80}")
+        members, arrivals = self._group_of(msg, rank)
         home = self._home_of(msg)
         fresh = []
         for key, array in zip(keys, msg.arrays, strict=True):
             if key not in self.stored:
                 fresh.append((key, array))
                 continue
-            held = self.backup.passive.get(key)
             same = (
                 members is not None
-                and (held[1] if held else self.rounds.keys[key].members) == members
+                and self._members_of_key(key) == members
                 and self.stored[key].size == array.size
                 and self.stored[key].dtype == array.dtype
             )
@@ -717,6 +708,25 @@ class Server:
                 self._roots[key] = int(root[1])
             self._enter_key(key, home, msg, members, arrivals)
         self._send(identity, Message("ack", msg.id, self.name))
+
+    def _group_of(self, msg: Message, rank: int) -> tuple:
+        """An init's group of ranks (``members``: its keys' own, initialised by every member)
+        and, in an elastic job, when each member's holder came (``arrivals``), checked."""
+        members = _members_of(msg.body.get("members"), rank, self.num_workers)
+        arrivals = msg.body.get("arrivals")
+        if arrivals is not None and (
+            members is None
+            or not isinstance(arrivals, list)
+            or len(arrivals) != len(members)
+            or any(type(a) is not int for a in arrivals)
+        ):
+            raise ValueError(f"arrivals: expected an int per member, got {arrivals!r:.80}")
+        return members, arrivals
+
+    def _members_of_key(self, key) -> tuple | None:
+        """The group a key part was made for (None: every worker), a backup's copy too."""
+        held = self.backup.passive.get(key)
+        return held[1] if held else self.rounds.keys[key].members
 
     def _enter_key(self, key, home: int, msg: Message, members=None, arrivals=None) -> None:
         """A key part ``msg`` made here enters this server's rounds; a backup's copy of
@@ -1504,8 +1514,11 @@ class Server:
             )
 
     def _on_sparse_init(self, identity, rank, msg) -> None:
-        """Every key, meta and row set is checked before any key is made."""
+        """Every key, meta and row set is checked before any key is made. A group's keys
+        (``members``) are initialised by every member: the first init makes a key, the same
+        init again (same group, shape, dtype and init spec) is answered as done."""
         keys, metas = [tuple(k) for k in msg.body["keys"]], msg.body["meta"]
+        members, arrivals = self._group_of(msg, rank)
         home = self._home_of(msg)  # with replicas: a copy of server home's parts
         if len(metas) != len(keys) or len(msg.arrays) != 2 * len(keys):
             raise ValueError("sparse_init: one meta and two arrays (ids, rows) per key")
@@ -1521,7 +1534,7 @@ class Server:
                     f"part {key[1]!r:.20} of key {key[0]!r:.60} is not {whose}: "
                     f"server {home} holds part {home} of every row-sparse key"
                 )
-            if key in self.rows.tables or key in self.stored:
+            if key in self.stored:
                 raise ValueError(f"key {_show(key)} is already initialised")
             if not isinstance(meta, list) or len(meta) != 4:
                 raise ValueError(f"key {_show(key)}: meta must be [rows, dim, dtype, init]")
@@ -1532,6 +1545,15 @@ class Server:
             if dtype.kind not in "fc":
                 raise ValueError(f"key {_show(key)}: a row-sparse key holds floats, not {dtype}")
             init = check_init(init)
+            table = self.rows.tables.get(key)
+            if table is not None:
+                if not (
+                    members is not None
+                    and self._members_of_key(key) == members
+                    and (table.rows, table.dim, table.dtype, table.init) == (rows, dim, dtype, init)
+                ):
+                    raise ValueError(f"key {_show(key)} is already initialised")
+                continue  # a group's key another member made
             bounds = bounds_of(init.get("sharding", "hash"), rows, self.cfg.num_server)
             owned = None if bounds is None else (bounds[key[1]], bounds[key[1] + 1])
             ids, data = msg.arrays[2 * i], msg.arrays[2 * i + 1]
@@ -1540,7 +1562,7 @@ class Server:
         for key, rows, dim, dtype, init, ids, data, owned in made:
             self._owned[key] = owned
             self.rows.add_key(key, rows, dim, dtype, init).assign(ids, data)
-            self._enter_key(key, home, msg)
+            self._enter_key(key, home, msg, members, arrivals)
         self._send(identity, Message("ack", msg.id, self.name))
 
     @metrics.served

@@ -968,8 +968,12 @@ def write_rows(out, ids: np.ndarray, rows_of) -> None:
 # ---------------------------------------------------------------- the worker's messages
 
 
-def plan_init(items, num_server: int) -> list:
-    """``sparse_init`` per server: every server holds a part (its rows) of every key."""
+def plan_init(items, num_server: int, members=None, arrivals=None) -> list:
+    """``sparse_init`` per server: every server holds a part (its rows) of every key; a
+    group's keys (``members``, as :meth:`kvstore.plan.Planner.init`) name the group."""
+    group = {} if members is None else {"members": list(members)}
+    if arrivals is not None:
+        group["arrivals"] = list(arrivals)
     legs: list = [([], [], []) for _ in range(num_server)]
     for item in items:
         v = item.value
@@ -981,7 +985,7 @@ def plan_init(items, num_server: int) -> list:
             metas.append(meta)
             arrays += [v.indices[pos], np.ascontiguousarray(v.data[pos])]
     return [
-        Outgoing(s, "sparse_init", tuple(k), [list(x) for x in k], {"meta": m}, tuple(a))
+        Outgoing(s, "sparse_init", tuple(k), [list(x) for x in k], {"meta": m, **group}, tuple(a))
         for s, (k, m, a) in enumerate(legs)
     ]
 

@@ -327,10 +327,8 @@ class KVStore:
     def _init_any(self, key, value, members=None) -> None:
         """``init`` of any key, the library's own (``kvstore.*``) too."""
         group = self._group(members)
-        if group is not None and _holds_rows(value):
-            raise ValueError("init: members= is for dense keys; a row-sparse key has all workers")
         if _holds_rows(value):
-            self._split_rows("init", key, value, None)
+            self._split_rows("init", key, value, None, group)
             return
         items = self._items("init", key, value, need_init=False)
         for item in items:
@@ -518,9 +516,10 @@ class KVStore:
         keys = key if isinstance(key, (list, tuple)) else [key]
         return any(_norm_key(k) in self._sparse for k in keys)
 
-    def _split_rows(self, what: str, key, value, out) -> None:
+    def _split_rows(self, what: str, key, value, out, members=None) -> None:
         """A call naming row-sparse keys: the dense keys go through the dense path, the
-        row-sparse ones through ``_init_rows`` / ``_push_rows`` / ``_pull_rows``."""
+        row-sparse ones through ``_init_rows`` / ``_push_rows`` / ``_pull_rows``
+        (``members``: an init's group, checked)."""
         single = not isinstance(key, (list, tuple))
         keys = [key] if single else list(key)
         values = [value] if single else value
@@ -540,7 +539,7 @@ class KVStore:
         if dense:
             ks, vs, os_ = ([d[j] for d in dense] for j in range(3))
             if what == "init":
-                self.init(ks, vs)
+                self._init_any(ks, vs, members)
             elif what == "push":
                 self.push(ks, vs)
             elif what == "pull":
@@ -548,7 +547,7 @@ class KVStore:
             else:
                 self.pushpull(ks, vs, out=os_)
         if what == "init":
-            self.init_rows([k for k, _, _ in rows], [v for _, v, _ in rows])
+            self._init_row_keys([k for k, _, _ in rows], [v for _, v, _ in rows], members)
             return
         if what == "pull":  # a whole small table, as MXNet's pull of a row_sparse key
             ids = []
@@ -629,6 +628,9 @@ class KVStore:
         >>> init = uniform(-0.1, 0.1, seed=1)
         >>> kv.init('emb', RowSparse.empty((10**9, 64), init=init))  # doctest: +SKIP
         """
+        self._init_row_keys(key, value, None)
+
+    def _init_row_keys(self, key, value, members) -> None:
         single = not isinstance(key, (list, tuple))
         keys = [_norm_key(k) for k in ([key] if single else key)]
         values = [value] if single else list(value)
@@ -650,7 +652,7 @@ class KVStore:
                 raise TypeError(f"init(key={k!r}): a row-sparse key holds floats, got {v.dtype}")
             canonical = v.canonical()
             items.append(RowsItem(k, RowSparse(canonical.indices, canonical.data, v.shape, v.init)))
-        self._init_rows(items)
+        self._init_rows(items, members)
         for item in items:
             v = item.value
             # a row-sparse key's Meta: shape (rows, dim); the servers keep its init spec
@@ -852,7 +854,7 @@ class KVStore:
     def _pull(self, items):
         raise NotImplementedError
 
-    def _init_rows(self, items):
+    def _init_rows(self, items, members=None):
         raise NotImplementedError
 
     def _push_rows(self, items):
@@ -974,7 +976,7 @@ class LocalStore(KVStore):
         return self._updater
 
     # ---- row-sparse keys: a RowTable per key (kvstore.sparse), updated lazily
-    def _init_rows(self, items):
+    def _init_rows(self, items, members=None):  # (one worker: every group is all of it)
         from .sparse import RowTable
 
         tables = self.__dict__.setdefault("_tables", {})

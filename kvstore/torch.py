@@ -2046,12 +2046,6 @@ class _DistributedMixin:
         params = [p for p in params if not getattr(p, "_kvt_row_sparse", False)]
         if group is None:
             params = rows = []
-        elif rows and group.members is not None:
-            raise NotImplementedError(
-                "DistributedOptimizer: row_sparse parameters with a process set other than "
-                "hvd.global_process_set, or in an elastic job, are not supported (a row-sparse "
-                "key has all workers)"
-            )
         self._kvt_names = {id(p): named[id(p)] for p in params}
         # Reverse order: backward produces the last layers' gradients first.
         groups: dict = {}
@@ -2065,7 +2059,7 @@ class _DistributedMixin:
             st.optimizers[counted] += 1
             index = st.optimizers[counted]
         self._kvt_index = index
-        self._kvt_rows = _RowGrads(rows, index) if rows else None
+        self._kvt_rows = _RowGrads(rows, index, group) if rows else None
         self._kvt_buckets: list[_Bucket] = []
         for (dtype, _, _), members in groups.items():
             current, nbytes = [], 0
@@ -2108,6 +2102,8 @@ class _DistributedMixin:
         hosts = [b.host for b in self._kvt_buckets]
         if keys:
             _state.comm.run(lambda kv: _ensure(kv, group, keys, hosts))
+        if self._kvt_rows is not None:
+            self._kvt_rows.follow(group)
 
     def _kvt_add_bucket(self, index: int, dtype: np.dtype, params: list) -> None:
         key = f"{self._kvt_group.prefix}grad.{index}.{len(self._kvt_buckets)}"
@@ -2459,16 +2455,17 @@ def row_sparse(module) -> None:
 
 
 class _RowGrads:
-    """The parameters marked by :func:`row_sparse`, one row-sparse key each. A step: every
-    worker pushes its gradient's rows (an empty set when it has none); the round leaves each
-    touched row's sum; ``save_rows`` since the last step gives every worker that round's
-    rows, the same bits everywhere."""
+    """The parameters marked by :func:`row_sparse`, one row-sparse key each, of the
+    optimizer's group (a process set's keys have its members; an elastic job's, the workers
+    of the last reset: new keys at each). A step: every member pushes its gradient's rows (an
+    empty set when it has none); the round leaves each touched row's sum; ``save_rows`` since
+    the last step gives every member that round's rows, the same bits everywhere. A row no
+    round touched for two rounds is dropped from the servers (``evict_after=2``: a round's
+    sum does not depend on what a row held), so they hold the rows of the last few steps,
+    not every row ever touched."""
 
-    def __init__(self, params: list, index: int):
-        from .sparse import RowSparse
-
-        self.params = params
-        self.keys = [f"kvt.rows.{index}.{i}" for i in range(len(params))]
+    def __init__(self, params: list, index: int, group: _Group):
+        self.params, self.index = params, index
         self.shapes = [tuple(p.shape) for p in params]
         self.dtypes = [
             np.dtype(np.float32)
@@ -2476,9 +2473,23 @@ class _RowGrads:
             else _wire_dtype(NoneCompressor, p.dtype)
             for p in params
         ]
-        self.steps = [0] * len(params)
-        empty = [RowSparse.empty(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
-        _require().comm.run(lambda kv: kv.init(self.keys, empty))
+        self.keys: list = []
+        self.follow(group)
+
+    def follow(self, group: _Group) -> None:
+        """The keys of ``group`` (at first, and after an elastic reset), made by its members."""
+        from .sparse import RowSparse
+
+        self.keys = [f"{group.prefix}rows.{self.index}.{i}" for i in range(len(self.params))]
+        self.steps = [0] * len(self.params)
+        empty = [
+            RowSparse.empty(s, d, evict_after=2)
+            for s, d in zip(self.shapes, self.dtypes, strict=True)
+        ]
+        if group.members is None:
+            _require().comm.run(lambda kv: kv.init(self.keys, empty))
+        else:
+            _require().comm.run(lambda kv: kv.init(self.keys, empty, members=group.members))
 
     def sync(self, prescale: float, postscale: float) -> None:
         from .sparse import RowSparse

@@ -798,15 +798,19 @@ class DistStore(KVStore):
         if members is not None or self.rank == 0:
             keys = [item.key for item in items]
             flats = [self._flat(item.values[:1]) for item in items]
-            # an elastic job's group of the last reset's workers: a slot taken by a newcomer
-            # since then is out of the group (the servers know when each holder came)
-            known = members is not None and all(m in self._arrivals for m in members)
-            arrivals = [self._arrivals[m] for m in members] if known else None
-            outgoing = self._planner.init(keys, flats, members, arrivals)
+            outgoing = self._planner.init(keys, flats, members, self._arrivals_of(members))
             ids, _ = self._commit("init", self._fanned_out(outgoing))
             self._wait("init", ids)
         if members is None:
             self.barrier()
+
+    def _arrivals_of(self, members) -> list | None:
+        """An elastic job's group of the last reset's workers: when each member's holder
+        came (a slot taken by a newcomer since then is out of the group: the servers know
+        when each holder came); None outside elastic jobs."""
+        if members is None or not all(m in self._arrivals for m in members):
+            return None
+        return [self._arrivals[m] for m in members]
 
     def _fanned_out(self, outgoing) -> list:
         """With replicas, every live replica of a part gets its own copy of each message,
@@ -917,14 +921,17 @@ class DistStore(KVStore):
         return np.ascontiguousarray(to_host(total)).reshape(-1)
 
     # ---- row-sparse keys (kvstore.sparse): every server holds the rows row_server gives it
-    def _init_rows(self, items):
-        if self._late:  # an elastic job's newcomer: the keys are made, its peers past init
+    def _init_rows(self, items, members=None):
+        # as _init: rank 0 for everyone then a barrier, or every member of a group
+        if self._late and members is None:
             return
-        if self.rank == 0:
-            outgoing = self._fanned_out(sparse.plan_init(items, len(self._servers)))
-            ids, _ = self._commit("init", outgoing)
+        if members is not None or self.rank == 0:
+            arrivals = self._arrivals_of(members)
+            plan = sparse.plan_init(items, len(self._servers), members, arrivals)
+            ids, _ = self._commit("init", self._fanned_out(plan))
             self._wait("init", ids)
-        self.barrier()
+        if members is None:
+            self.barrier()
 
     @metrics.observed("push")
     def _push_rows(self, items):

@@ -36,11 +36,14 @@ def test_server_refuses_bad_row_requests_and_serves_on(cluster):
     assert "Traceback" not in c.output("server0")
 
 
-def test_torch_embedding_gradients_travel_as_rows(cluster):
+@pytest.mark.parametrize("mode", ["global", "set"])
+def test_torch_embedding_gradients_travel_as_rows(cluster, mode):
+    """Through the global set (W=2), and through a process set [0, 2] of W=3 (its own
+    row-sparse key: rank 1, outside, steps alone)."""
     pytest.importorskip("torch")
-    c = cluster(2, 2)
-    outs = c.run_workers("torch_rows.py", timeout=120)
-    assert all("OK torch rows" in o for o in outs), outs
+    c = cluster(2, 3 if mode == "set" else 2)
+    outs = c.run_workers("torch_rows.py", [mode], timeout=120)
+    assert all(f"OK torch rows {mode}" in o for o in outs), outs
 
 
 def test_sparse_join_uneven_inputs(cluster):

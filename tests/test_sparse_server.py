@@ -234,3 +234,46 @@ def test_an_elastic_newcomers_first_row_push_is_summed():
     b = push(s, 0, [6], 1.0)
     assert [m.kind for _, m in a + b] == ["ack", "ack"]
     assert table(s)[[5, 6], 0].tolist() == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("backup", [False, True])
+def test_a_group_s_row_sparse_key_is_made_by_any_member_and_pushed_by_members_only(backup):
+    """``init(..., members=)`` of a row-sparse key (Horovod's process sets, an elastic job's
+    generation): each member sends the init, the first makes the key and the same init again
+    is answered as done; another shape, dtype, init spec or group is refused; a worker outside
+    the group may not push it, and a round completes with the members' pushes (a backup's
+    passive copy, ``home`` 1 of server 0, checks the same)."""
+    from kvstore.sparse import uniform
+
+    s = make_server(3)
+    extra = {}
+    if backup:  # server 0 holding a copy of server 1's part, server 1 alive
+        s.chains, s.dead, s.cfg.num_server = [[0, 1], [1, 0]], set(), 2
+        s.primary = None
+        extra = {"home": 1}
+    part = 1 if backup else 0
+    meta = [SHAPE[0], SHAPE[1], "<f4", zeros()]
+    body = {"keys": [["g", part]], "meta": [meta], "members": [0, 2], **extra}
+    for rank in (0, 2):
+        (ack,) = request(s, rank, "sparse_init", body, rows([], 0))
+        assert ack[1].kind == "ack"
+    assert ("g", part) in s.rows.tables
+    for other in (
+        [SHAPE[0], SHAPE[1] + 1, "<f4", zeros()],
+        [SHAPE[0], SHAPE[1], "<f8", zeros()],
+        [SHAPE[0], SHAPE[1], "<f4", uniform(0, 1, seed=3)],
+    ):
+        with pytest.raises(ValueError, match="already initialised"):
+            request(s, 2, "sparse_init", {**body, "meta": [other]}, rows([], 0))
+    with pytest.raises(ValueError, match="already initialised"):
+        request(s, 0, "sparse_init", {**body, "members": [0, 1, 2]}, rows([], 0))
+    with pytest.raises(ValueError, match="already initialised"):  # not a group's: once only
+        request(s, 0, "sparse_init", {k: v for k, v in body.items() if k != "members"}, rows([], 0))
+    if backup:
+        return  # (a passive copy answers no pushes while its primary lives)
+    (refused,) = push(s, 1, [3], 1.0, key="g")
+    assert refused[1].kind == "error" and "only its members" in refused[1].body["message"]
+    assert push(s, 0, [3, 4], 1.0, key="g") == []  # waits for rank 2, not rank 1
+    replies = push(s, 2, [4], 2.0, key="g")
+    assert sorted(r[1].kind for r in replies) == ["ack", "ack"]
+    assert table(s, "g")[[3, 4], 0].tolist() == [1.0, 3.0]

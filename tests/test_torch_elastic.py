@@ -212,3 +212,39 @@ def test_horovod_s_elastic_mnist_goes_on_when_a_worker_is_killed_and_replaced(tm
     first = _train_epochs(after, 1)
     assert first and first[0] >= 5 and first[-1] == EPOCHS, first  # not 1: rank 0's state
     assert "Test set: Average loss" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_row_sparse_gradients_go_on_when_a_worker_is_killed_and_replaced(tmp_path):
+    """hvd.row_sparse in an elastic job: its gradient keys follow each reset (a process
+    set's keys, of the reset's workers), so the survivors neither wait for the dead worker
+    nor lose a step, and every worker ends with the same weights."""
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), HOME=str(tmp_path))
+    script = ROOT / "tests" / "workers" / "torch_rows_elastic.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "2", sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    killed = False
+    try:
+        for line in proc.stdout:  # bounded: the test's timeout, and the launcher's end
+            seen.append(line)
+            if not killed and line.startswith("[worker 1] step 10 "):
+                os.kill(started_pids("".join(seen))["worker 1"], 9)
+                killed = True
+        assert proc.wait(timeout=60) == 0, "".join(seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = "".join(seen)
+    assert killed and out.count("launch: started worker 1 ") == 2, out
+    finals = re.findall(r"\[worker (\d)\] FINAL (\w+) at step 40", out)
+    assert sorted(w for w, _ in finals) == ["0", "1", "2"], out
+    assert len({digest for _, digest in finals}) == 1, finals
+    assert "Traceback" not in out, out

@@ -1,16 +1,23 @@
 """kvstore.torch: an nn.Embedding(sparse=True) marked with row_sparse trains through
 DistributedOptimizer, its gradient travelling as rows. Every rank ends with the weights of
 one process training on the union of the ranks' batches (averaged), including a step where
-rank 1 does not use the embedding at all (it pushes no rows)."""
+a rank does not use the embedding at all (it pushes no rows).
+
+``set`` (W=3): the optimizer's process set is [0, 2]: its members train on the union of
+their batches (the row-sparse key is the set's), rank 1 (outside) on its own batch alone."""
 
 import copy
+import sys
 
 import torch
 
 import kvstore.torch as hvd
 
-hvd.init()
+mode = sys.argv[1] if len(sys.argv) > 1 else "global"
+ps = hvd.ProcessSet([0, 2]) if mode == "set" else hvd.global_process_set
+hvd.init(process_sets=[ps] if mode == "set" else None)
 rank, W = hvd.rank(), hvd.size()
+team = (ps.ranks if rank in ps.ranks else [rank]) if mode == "set" else list(range(W))
 torch.manual_seed(0)
 model = torch.nn.ModuleDict(
     {"emb": torch.nn.Embedding(1000, 4, sparse=True), "lin": torch.nn.Linear(4, 1)}
@@ -19,7 +26,9 @@ reference = copy.deepcopy(model)
 reference["emb"].sparse = False
 hvd.row_sparse(model["emb"])
 opt = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    torch.optim.SGD(model.parameters(), lr=0.1),
+    named_parameters=model.named_parameters(),
+    process_set=ps,
 )
 ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
 
@@ -27,7 +36,7 @@ ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
 def loss_of(net, r, step):
     g = torch.Generator().manual_seed(100 * step + r)
     ids = torch.randint(0, 20, (6,), generator=g)  # repeats within and across ranks
-    if step == 1 and r == 1:
+    if step == 1 and r == team[-1]:
         return net["lin"](torch.ones(1, 4)).sum()  # no embedding this step
     return net["lin"](net["emb"](ids)).sum() * (r + 1)
 
@@ -37,9 +46,9 @@ for step in range(3):
     loss_of(model, rank, step).backward()
     opt.step()
     ref_opt.zero_grad()
-    (sum(loss_of(reference, r, step) for r in range(W)) / W).backward()
+    (sum(loss_of(reference, r, step) for r in team) / len(team)).backward()
     ref_opt.step()
     for name in ("emb", "lin"):
         for got, want in zip(model[name].parameters(), reference[name].parameters(), strict=True):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (step, name)
-print(f"rank {rank} OK torch rows", flush=True)
+print(f"rank {rank} OK torch rows {mode}", flush=True)
