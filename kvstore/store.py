@@ -310,7 +310,8 @@ class KVStore:
         ``members`` (a list of ranks, this worker's among them) makes a group's keys, as
         Horovod's process sets need: only the members call ``init`` (no barrier with the
         others), the first to reach a server creates a key (give every member the same
-        value), and only they push and pull it; a round is complete once every member pushed.
+        value: a row-sparse key's shape, dtype and init spec too), and only they push and
+        pull it; a round is complete once every member pushed.
         In an elastic job the members are slots (``kv.rank`` is renumbered at every change),
         and a newcomer taking a slot is not a member of the groups made before it came.
 

@@ -222,7 +222,16 @@ def test_row_sparse_gradients_go_on_when_a_worker_is_killed_and_replaced(tmp_pat
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), HOME=str(tmp_path))
     script = ROOT / "tests" / "workers" / "torch_rows_elastic.py"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "2", sys.executable, str(script)],
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "-n",
+            "2:3",
+            "-s",
+            "2",
+            sys.executable,
+            str(script),
+        ],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
