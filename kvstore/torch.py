@@ -2519,7 +2519,15 @@ class _RowGrads:
             self.steps[i] = step
             data = rows.data if postscale == 1.0 else rows.data * rows.data.dtype.type(postscale)
             index = torch.from_numpy(rows.indices).unsqueeze(0)
-            grad = torch.sparse_coo_tensor(index, torch.from_numpy(data), self.shapes[i])
+            # sorted unique ids in range (save_rows' canonical form): nothing to check, and
+            # said so (else torch 2.14 warns of the checks it skips on every step)
+            grad = torch.sparse_coo_tensor(
+                index,
+                torch.from_numpy(data),
+                self.shapes[i],
+                check_invariants=False,
+                is_coalesced=True,
+            )
             p.grad = grad.to(device=p.device, dtype=p.dtype).coalesce()
 
 
