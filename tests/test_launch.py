@@ -516,3 +516,28 @@ def test_a_failure_passed_on_is_said_with_the_cause_it_names():
     assert _named_cause(server, [w1, w2]) is w2
     assert _named_cause(other, [w1, w2]) is None
     assert _named_by_others(w2, [w1, w2, server]) and not _named_by_others(w1, [w1, w2, server])
+
+
+def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it():
+    """An elastic job ended (its scheduler exited 0) while a worker is frozen (SIGSTOP, or a
+    hung syscall: SIGTERM does nothing): the launcher kills it once its stop grace has
+    passed and ends, instead of waiting for it forever."""
+    import io
+
+    from kvstore.launch.job import Proc, Supervisor
+
+    out = io.StringIO()
+    sup = Supervisor(out=out)
+    sup.elastic = True
+    sup.after_job_grace, sup.stop_grace = 0.3, 0.5
+    py = sys.executable
+    sup.start(Proc("scheduler", [py, "-c", "import time; time.sleep(1)"], role="scheduler"))
+    frozen = (
+        "import os, signal; print('freezing', flush=True); os.kill(os.getpid(), signal.SIGSTOP)"
+    )
+    sup.start(Proc("worker 0", [py, "-c", frozen], role="worker"))
+    assert sup.wait(timeout=20) == 0, out.getvalue()
+    said = out.getvalue()
+    assert "stopping worker 0, still running 0.3s later" in said, said
+    assert "worker 0 on localhost did not stop within 0.5s of SIGTERM (frozen?): killing it" in said
+    assert all(p.popen.poll() is not None for p in sup.procs), said

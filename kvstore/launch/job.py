@@ -37,7 +37,8 @@ class Proc:
     stdin: bytes = b""  # written to the process's stdin first (ssh: the job secret)
     popen: subprocess.Popen | None = field(default=None, repr=False)
     last_lines: list = field(default_factory=list, repr=False)
-    retired: bool = False  # stopped by the launcher (its host left the discovered hosts)
+    retired: bool = False  # stopped by the launcher (its host left, or the job ended)
+    kill_at: float = 0.0  # retired: when it is killed if SIGTERM has not ended it (0: never)
 
 
 class Supervisor:
@@ -50,6 +51,9 @@ class Supervisor:
     # waits for a scheduler that is gone, while one that closed its store may still be
     # saving what it trained (long enough for that, short of the newcomer's own 65 s).
     after_job_grace = 30.0
+    # How long a process the launcher stops gets between SIGTERM and SIGKILL: a frozen one
+    # (SIGSTOP, a hung syscall) never acts on SIGTERM.
+    stop_grace = 5.0
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
@@ -139,6 +143,7 @@ class Supervisor:
                 if done_at is not None and now > done_at + self.after_job_grace:
                     done_at = None
                     self._stop_latecomers()
+                self._kill_overdue(now)
                 if deadline is not None and now > deadline:
                     self.say(f"job still running after {timeout:g}s; stopping it")
                     self.stop()
@@ -230,8 +235,7 @@ class Supervisor:
         for proc in running:
             if proc.where not in names:
                 self.say(f"host {proc.where} left: stopping {proc.name}")
-                proc.retired = True
-                _signal_group(proc.popen, signal.SIGTERM)
+                self._retire(proc)
         used: dict = {}
         for proc in running:
             if not proc.retired:
@@ -281,8 +285,25 @@ class Supervisor:
                     f"the job has finished (every worker in it finished): stopping "
                     f"{proc.name}, still running {self.after_job_grace:g}s later"
                 )
-                proc.retired = True
-                _signal_group(proc.popen, signal.SIGTERM)
+                self._retire(proc)
+
+    def _retire(self, proc: Proc) -> None:
+        """Stop ``proc`` while the job goes on: SIGTERM now, SIGKILL if it is still running
+        :attr:`stop_grace` seconds later (:meth:`_kill_overdue`)."""
+        proc.retired = True
+        proc.kill_at = time.monotonic() + self.stop_grace
+        _signal_group(proc.popen, signal.SIGTERM)
+
+    def _kill_overdue(self, now: float) -> None:
+        for proc in self.procs:
+            if proc.kill_at and now > proc.kill_at:
+                proc.kill_at = 0.0
+                if proc.popen.poll() is None:
+                    self.say(
+                        f"{proc.name} on {proc.where} did not stop within "
+                        f"{self.stop_grace:g}s of SIGTERM (frozen?): killing it"
+                    )
+                    _signal_group(proc.popen, signal.SIGKILL)
 
     def _latest_workers(self) -> list[Proc]:
         """Each worker's latest process (an elastic job starts a failed one again)."""
@@ -331,8 +352,9 @@ class Supervisor:
         self.say("stopping the other processes")
         return next((p for p in failed if p.popen.returncode != EXIT_PEER_LOST), failed[0])
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Close each process's stdin (remote ones stop on that), SIGTERM its group, then kill."""
+    def stop(self) -> None:
+        """Close each process's stdin (remote ones stop on that), SIGTERM its group, then kill
+        what is still running :attr:`stop_grace` seconds later."""
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
             try:
@@ -340,7 +362,7 @@ class Supervisor:
             except OSError:
                 pass
             _signal_group(p.popen, signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + self.stop_grace
         for p in live:
             try:
                 p.popen.wait(max(0.0, deadline - time.monotonic()))
