@@ -703,6 +703,16 @@ class Membership:
         return text
 
     # ---- deadlines
+    def launcher_gone(self) -> list:
+        """The launcher that started this scheduler is gone (killed: nobody would stop or
+        watch the job): end it, every node told why."""
+        text = (
+            "the launcher is gone (its pipe to the scheduler closed: was launch.py killed?): "
+            "ending the job"
+        )
+        failed = Message("node_failed", 0, "scheduler", {"node": "scheduler", "reason": text})
+        return [Log(logging.ERROR, text), Broadcast(failed), Exit(EXIT_PEER_LOST)]
+
     def _check_deadlines(self, now: float) -> list:
         cfg = self.cfg
         if self.elastic:

@@ -21,6 +21,7 @@ Run it alone with ``DMLC_ROLE=scheduler ... python -m kvstore.scheduler``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -162,9 +163,16 @@ class Scheduler:
         if self.gate is not None:
             poller.register(self.gate.sock, zmq.POLLIN)
             poller.register(self.gate.watch(self.sock), zmq.POLLIN)
+        # started by launch.py: its stdin is the launcher's pipe, closed when it is gone
+        pipe = sys.stdin.fileno() if os.environ.get("KVSTORE_LAUNCHER_PIPE") == "1" else None
+        if pipe is not None:
+            poller.register(pipe, zmq.POLLIN)
         tick = max(0.005, self.cfg.heartbeat_interval / 4)
         while True:
             events = dict(poller.poll(tick * 1000))
+            if pipe is not None and pipe in events and not os.read(pipe, 4096):
+                poller.unregister(pipe)
+                return self._execute(self.members.launcher_gone())
             if self.gate is not None and self.gate.sock in events:
                 self.gate.handle()
             if self.gate is not None and self.gate.monitor in events:

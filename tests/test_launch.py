@@ -2,6 +2,7 @@
 lines for the schedulers that cannot run here (slurm, sge, yarn)."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -182,6 +183,54 @@ def test_ctrl_c_stops_every_process(sig, code_said):
     assert f"{code_said[1]}; stopping every process" in out, out
     pids = _pids(out)
     assert len(pids) == 2 and not any(_alive(p) for p in pids), out
+
+
+QUIET = """
+import time, numpy as np, kvstore
+kv = kvstore.create("dist_sync")
+kv.init("w", np.zeros(4, np.float32))
+out, started = np.empty(4, np.float32), time.monotonic()
+for rnd in range(100000):  # bounded: 60 s at most
+    kv.pushpull("w", np.ones(4, np.float32), out=out)
+    if rnd == 10:
+        print("round 10", flush=True)  # then silent: no write fails when the launcher is gone
+    if time.monotonic() - started > 60:
+        break
+    time.sleep(0.01)
+"""
+
+
+def test_a_killed_launcher_leaves_nothing_running(tmp_path):
+    """launch.py killed (SIGKILL: no chance to stop its job, as the OOM killer or a CI
+    runner's timeout does): the scheduler sees its pipe from the launcher close and ends the
+    job, so its servers and workers stop too instead of running on unwatched."""
+    script = tmp_path / "quiet.py"
+    script.write_text(QUIET)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2", "-s", "1", sys.executable, script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:  # bounded: the workers run at most 60 s
+        lines.append(line)
+        if "round 10" in line:
+            break
+    proc.kill()
+    proc.wait(10)
+    out = "".join(lines)
+    started = [int(x) for x in re.findall(r"launch: started \w+ ?\d* on \S+ \(pid (\d+)\)", out)]
+    assert len(started) == 4, out  # the scheduler, a server, two workers
+    try:
+        assert poll_until(lambda: not any(_alive(p) for p in started), 15), [
+            p for p in started if _alive(p)
+        ]
+    finally:
+        for pid in started:  # by PID, whatever happened
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- ssh

@@ -362,6 +362,7 @@ def main(argv=None) -> int:
         **spec.env,
         "DMLC_ROLE": "scheduler",
         "DMLC_NODE_HOST": spec.root_uri,
+        "KVSTORE_LAUNCHER_PIPE": "1",  # its stdin: EOF when this launcher is gone
     }
     status_url = status_page(scheduler_env)
     try:

@@ -353,15 +353,16 @@ class Supervisor:
         return next((p for p in failed if p.popen.returncode != EXIT_PEER_LOST), failed[0])
 
     def stop(self) -> None:
-        """Close each process's stdin (remote ones stop on that), SIGTERM its group, then kill
-        what is still running :attr:`stop_grace` seconds later."""
+        """SIGTERM each process's group and close its stdin (remote ones stop on that; the
+        scheduler, which takes a closed pipe for a launcher that died, has ended by then),
+        then kill what is still running :attr:`stop_grace` seconds later."""
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
+            _signal_group(p.popen, signal.SIGTERM)
             try:
                 p.popen.stdin.close()
             except OSError:
                 pass
-            _signal_group(p.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
         for p in live:
             try:
