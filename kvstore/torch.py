@@ -588,11 +588,23 @@ def shutdown() -> None:
         try:
             comm.run(_end_timeline)
             if owned:
-                comm.run(lambda kv: kv.close())
+                comm.run(_close_store)
         finally:
             comm.stop(timeout=30)
         atexit.unregister(shutdown)
         del kv
+
+
+def _close_store(kv: KVStore) -> None:
+    """Close the store; at exit after an uncaught exception, as a worker that failed (the
+    store's own exit hook would say so, but this one runs first): else the scheduler hears
+    that it finished, and an elastic job whose workers all raised ends with status 0."""
+    from .worker import _ending
+
+    if _ending and hasattr(kv, "_close_quietly"):
+        kv._close_quietly()
+    else:
+        kv.close()
 
 
 def rank() -> int:
@@ -2457,12 +2469,13 @@ def row_sparse(module) -> None:
 class _RowGrads:
     """The parameters marked by :func:`row_sparse`, one row-sparse key each, of the
     optimizer's group (a process set's keys have its members; an elastic job's, the workers
-    of the last reset: new keys at each). A step: every member pushes its gradient's rows (an
-    empty set when it has none); the round leaves each touched row's sum; ``save_rows`` since
-    the last step gives every member that round's rows, the same bits everywhere. A row no
-    round touched for two rounds is dropped from the servers (``evict_after=2``: a round's
-    sum does not depend on what a row held), so they hold the rows of the last few steps,
-    not every row ever touched."""
+    of the last reset: new keys when they change). A step: every member pushes its
+    gradient's rows (an empty set when it has none); the round leaves each touched row's
+    sum; ``save_rows`` since the last step gives every member that round's rows, the same
+    bits everywhere. A row no round touched for two rounds is dropped from the servers
+    (``evict_after=2``: these keys have no optimizer on the servers, so a round's sum does
+    not depend on what a row held): they hold the rows of the last few steps, not every row
+    ever touched."""
 
     def __init__(self, params: list, index: int, group: _Group):
         self.params, self.index = params, index
@@ -2480,8 +2493,10 @@ class _RowGrads:
         """The keys of ``group`` (at first, and after an elastic reset), made by its members."""
         from .sparse import RowSparse
 
-        self.keys = [f"{group.prefix}rows.{self.index}.{i}" for i in range(len(self.params))]
-        self.steps = [0] * len(self.params)
+        keys = [f"{group.prefix}rows.{self.index}.{i}" for i in range(len(self.params))]
+        if keys == self.keys:  # a reset with the same workers (a HorovodInternalError
+            return  # raised by hand): the same generation's keys, made already
+        self.keys, self.steps = keys, [0] * len(self.params)
         empty = [
             RowSparse.empty(s, d, evict_after=2)
             for s, d in zip(self.shapes, self.dtypes, strict=True)
@@ -2512,7 +2527,16 @@ class _RowGrads:
 
         def job(kv):
             kv.push(self.keys, values)
-            return [kv.save_rows(k, since=s) for k, s in zip(self.keys, self.steps, strict=True)]
+            found = []
+            for key, last in zip(self.keys, self.steps, strict=True):
+                rows, step = kv.save_rows(key, since=last)
+                if step != last + 1:  # rounds this worker sat out (after hvd.join): since
+                    # them the table went on; its step now is this push's round (the next
+                    # round needs this worker's next push), whose rows are what changed since
+                    # the step before
+                    rows, step = kv.save_rows(key, since=step - 1)
+                found.append((rows, step))
+            return found
 
         results = _require().comm.run(job)
         for i, (p, (rows, step)) in enumerate(zip(self.params, results, strict=True)):

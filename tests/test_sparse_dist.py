@@ -46,6 +46,12 @@ def test_torch_embedding_gradients_travel_as_rows(cluster, mode):
     assert all(f"OK torch rows {mode}" in o for o in outs), outs
 
 
+def test_torch_rows_after_join_are_the_step_s_own(cluster):
+    pytest.importorskip("torch")
+    outs = cluster(1, 2).run_workers("torch_rows_join.py", timeout=120)
+    assert all("OK rows after join" in o for o in outs), outs
+
+
 def test_sparse_join_uneven_inputs(cluster):
     c = cluster(2, 3)
     outs = c.run_workers("sparse_join.py", timeout=120)

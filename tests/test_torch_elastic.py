@@ -215,10 +215,13 @@ def test_horovod_s_elastic_mnist_goes_on_when_a_worker_is_killed_and_replaced(tm
 
 
 @pytest.mark.timeout(120)
-def test_row_sparse_gradients_go_on_when_a_worker_is_killed_and_replaced(tmp_path):
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_row_sparse_gradients_go_on_through_a_reset(tmp_path, fault):
     """hvd.row_sparse in an elastic job: its gradient keys follow each reset (a process
-    set's keys, of the reset's workers), so the survivors neither wait for the dead worker
-    nor lose a step, and every worker ends with the same weights."""
+    set's keys, of the reset's workers), so the survivors neither wait for a dead worker nor
+    lose a step (``kill``: worker 1 killed and replaced); a reset with the same workers
+    (``raise``: every worker raises HorovodInternalError once) keeps its keys. Every worker
+    ends with the same weights."""
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), HOME=str(tmp_path))
     script = ROOT / "tests" / "workers" / "torch_rows_elastic.py"
     proc = subprocess.Popen(
@@ -231,6 +234,8 @@ def test_row_sparse_gradients_go_on_when_a_worker_is_killed_and_replaced(tmp_pat
             "2",
             sys.executable,
             str(script),
+            "40",
+            *(["raise"] if fault == "raise" else []),
         ],
         cwd=tmp_path,
         env=env,
@@ -243,7 +248,7 @@ def test_row_sparse_gradients_go_on_when_a_worker_is_killed_and_replaced(tmp_pat
     try:
         for line in proc.stdout:  # bounded: the test's timeout, and the launcher's end
             seen.append(line)
-            if not killed and line.startswith("[worker 1] step 10 "):
+            if fault == "kill" and not killed and line.startswith("[worker 1] step 10 "):
                 os.kill(started_pids("".join(seen))["worker 1"], 9)
                 killed = True
         assert proc.wait(timeout=60) == 0, "".join(seen)
@@ -252,8 +257,32 @@ def test_row_sparse_gradients_go_on_when_a_worker_is_killed_and_replaced(tmp_pat
             proc.kill()
             proc.wait(10)
     out = "".join(seen)
-    assert killed and out.count("launch: started worker 1 ") == 2, out
+    starts = out.count("launch: started worker 1 ")
+    assert (killed and starts == 2) if fault == "kill" else starts == 1, out
     finals = re.findall(r"\[worker (\d)\] FINAL (\w+) at step 40", out)
     assert sorted(w for w, _ in finals) == ["0", "1", "2"], out
     assert len({digest for _, digest in finals}) == 1, finals
     assert "Traceback" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_whose_every_worker_raises_fails(tmp_path):
+    """Every worker of an elastic kvstore.torch job raises its own error (uncaught): each is
+    started again, fails again, and once every slot is set aside the launcher ends the job
+    with the workers' status at once. (Before, each closed its store at exit as finished,
+    so the scheduler, then launch.py, ended the job with status 0.)"""
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT), HOME=str(tmp_path))
+    script = ROOT / "tests" / "workers" / "torch_rows_elastic.py"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1"]
+        + [sys.executable, str(script), "40", "fail"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "left (failed: it raised ValueError: the user's own error)" in out, out
+    assert "every worker slot is set aside: stopping the job" in out, out

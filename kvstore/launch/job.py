@@ -178,6 +178,10 @@ class Supervisor:
                             f"its third failure in 60s: its slot is set aside (the others go on)"
                         )
                         aside.append(proc)
+                        if {p.name for p in aside} >= {w.name for w in self._latest_workers()}:
+                            self.say("every worker slot is set aside: stopping the job")
+                            self.stop()
+                            return _status(proc.popen.returncode)
                     else:
                         self.say(
                             f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; "

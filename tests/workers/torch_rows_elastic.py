@@ -3,7 +3,11 @@ marked with row_sparse trains through hvd.elastic.run; a worker killed mid-way i
 Each reset moves the row-sparse gradient keys to the new workers (the old ones had the dead
 worker among their members), so no step waits for it. Every worker prints a digest of its
 weights at the end: the survivors and the newcomer (synced from rank 0 at its reset, then
-stepping on the same averaged gradients) must print the same."""
+stepping on the same averaged gradients) must print the same.
+
+argv: steps, then ``raise``: every worker raises HorovodInternalError once, at step 5 (a
+reset with the same workers: the same keys go on); or ``fail``: every worker raises a
+ValueError at step 3 (the user's own error: uncaught, the job fails)."""
 
 import hashlib
 import sys
@@ -14,6 +18,8 @@ import torch
 import kvstore.torch as hvd
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+RAISE, FAIL = sys.argv[2:3] == ["raise"], sys.argv[2:3] == ["fail"]
+raised = False
 hvd.init()
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -34,7 +40,13 @@ def loss_of(step: int, r: int):
 
 @hvd.elastic.run
 def train(state):
+    global raised
     while state.step < STEPS:
+        if RAISE and state.step == 5 and not raised:
+            raised = True
+            raise hvd.HorovodInternalError("raised by the test")
+        if FAIL and state.step == 3:
+            raise ValueError("the user's own error")
         opt.zero_grad()
         loss_of(state.step, hvd.rank()).backward()
         opt.step()
