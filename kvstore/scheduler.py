@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import time
 
@@ -163,8 +164,7 @@ class Scheduler:
         if self.gate is not None:
             poller.register(self.gate.sock, zmq.POLLIN)
             poller.register(self.gate.watch(self.sock), zmq.POLLIN)
-        # started by launch.py: its stdin is the launcher's pipe, closed when it is gone
-        pipe = sys.stdin.fileno() if os.environ.get("KVSTORE_LAUNCHER_PIPE") == "1" else None
+        pipe = _launcher_pipe()
         if pipe is not None:
             poller.register(pipe, zmq.POLLIN)
         tick = max(0.005, self.cfg.heartbeat_interval / 4)
@@ -272,6 +272,21 @@ class Scheduler:
             if self.metrics.get(identity) is not None or self.cfg.verbose:
                 log.warning("bad metrics from %s: %s", self.members.name(identity), exc)
             self.metrics[identity] = None
+
+
+def _launcher_pipe() -> int | None:
+    """Started by launch.py (``KVSTORE_LAUNCHER_PIPE=1``): stdin, the launcher's pipe, which
+    closes when the launcher is gone. Anything else on stdin (a terminal, /dev/null: the
+    variable leaked into a scheduler started by hand) is not watched."""
+    if os.environ.get("KVSTORE_LAUNCHER_PIPE") != "1":
+        return None
+    try:
+        if stat.S_ISFIFO(os.fstat(0).st_mode):
+            return 0
+    except OSError:  # no stdin at all
+        pass
+    log.warning("KVSTORE_LAUNCHER_PIPE=1 but stdin is not launch.py's pipe: not watched")
+    return None
 
 
 def main() -> int:

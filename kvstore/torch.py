@@ -2530,11 +2530,16 @@ class _RowGrads:
             found = []
             for key, last in zip(self.keys, self.steps, strict=True):
                 rows, step = kv.save_rows(key, since=last)
-                if step != last + 1:  # rounds this worker sat out (after hvd.join): since
+                if step > last + 1:  # rounds this worker sat out (after hvd.join): since
                     # them the table went on; its step now is this push's round (the next
                     # round needs this worker's next push), whose rows are what changed since
                     # the step before
                     rows, step = kv.save_rows(key, since=step - 1)
+                elif step <= last:
+                    raise KVStoreError(
+                        f"row_sparse: key {key!r} is at step {step} after this worker's push "
+                        f"of step {last + 1}: its rounds were lost (a server restarted?)"
+                    )
                 found.append((rows, step))
             return found
 

@@ -567,10 +567,12 @@ def test_a_failure_passed_on_is_said_with_the_cause_it_names():
     assert _named_by_others(w2, [w1, w2, server]) and not _named_by_others(w1, [w1, w2, server])
 
 
-def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it():
+@pytest.mark.parametrize("who", ["itself", "its child"])
+def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who):
     """An elastic job ended (its scheduler exited 0) while a worker is frozen (SIGSTOP, or a
-    hung syscall: SIGTERM does nothing): the launcher kills it once its stop grace has
-    passed and ends, instead of waiting for it forever."""
+    hung syscall: SIGTERM does nothing), or a child of it is (the worker itself exits on
+    SIGTERM, the frozen child keeps its output open): the launcher kills the worker's whole
+    group once its stop grace has passed and ends, instead of waiting forever."""
     import io
 
     from kvstore.launch.job import Proc, Supervisor
@@ -581,12 +583,24 @@ def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it():
     sup.after_job_grace, sup.stop_grace = 0.3, 0.5
     py = sys.executable
     sup.start(Proc("scheduler", [py, "-c", "import time; time.sleep(1)"], role="scheduler"))
-    frozen = (
+    freeze = (
         "import os, signal; print('freezing', flush=True); os.kill(os.getpid(), signal.SIGSTOP)"
     )
-    sup.start(Proc("worker 0", [py, "-c", frozen], role="worker"))
-    assert sup.wait(timeout=20) == 0, out.getvalue()
+    if who == "its child":  # (bounded: the test's timeout)
+        freeze = (
+            "import subprocess, sys, time; "
+            f"subprocess.Popen([sys.executable, '-c', {freeze!r}]); time.sleep(60)"
+        )
+    sup.start(Proc("worker 0", [py, "-c", freeze], role="worker"))
+    try:
+        assert sup.wait(timeout=20) == 0, out.getvalue()
+    finally:
+        for p in sup.procs:  # its group, by the leader's PID, whatever happened
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     said = out.getvalue()
     assert "stopping worker 0, still running 0.3s later" in said, said
-    assert "worker 0 on localhost did not stop within 0.5s of SIGTERM (frozen?): killing it" in said
-    assert all(p.popen.poll() is not None for p in sup.procs), said
+    if who == "itself":
+        assert "worker 0 on localhost did not stop within 0.5s of SIGTERM (frozen?)" in said

@@ -268,12 +268,19 @@ class Supervisor:
         )
 
     def _aside_status(self, aside: list[Proc]) -> int:
-        """0, or (an elastic job whose worker slots were set aside) the status of the first."""
-        if not aside:
-            return 0
-        names = ", ".join(p.name for p in aside)
-        self.say(f"the others finished, but {names} failed three times in 60s (set aside)")
-        return _status(aside[0].popen.returncode)
+        """0; or, in an elastic job, the status of the first worker slot set aside, or of
+        the first worker when every slot's last process failed (each told the scheduler it
+        finished, and the scheduler ended the job as done)."""
+        if aside:
+            names = ", ".join(p.name for p in aside)
+            self.say(f"the others finished, but {names} failed three times in 60s (set aside)")
+            return _status(aside[0].popen.returncode)
+        latest = self._latest_workers() if self.elastic else []
+        failed = [w for w in latest if w.popen.returncode and not w.retired]  # (not stopped)
+        if latest and len(failed) == len(latest):
+            self.say("every worker's last process failed: the job failed")
+            return _status(failed[0].popen.returncode)
+        return 0
 
     def _job_done(self) -> bool:
         """An elastic job's scheduler ended it: every worker present had finished."""
@@ -307,7 +314,8 @@ class Supervisor:
                         f"{proc.name} on {proc.where} did not stop within "
                         f"{self.stop_grace:g}s of SIGTERM (frozen?): killing it"
                     )
-                    _signal_group(proc.popen, signal.SIGKILL)
+                # its whole group: a child of it may be frozen while it exited
+                _signal_group(proc.popen, signal.SIGKILL)
 
     def _latest_workers(self) -> list[Proc]:
         """Each worker's latest process (an elastic job starts a failed one again)."""
@@ -372,8 +380,9 @@ class Supervisor:
             try:
                 p.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(p.popen, signal.SIGKILL)
-                p.popen.wait(5)
+                pass
+            _signal_group(p.popen, signal.SIGKILL)  # what is left of its group, if any
+            p.popen.wait(5)
         self._drain()
 
     def _drain(self) -> None:

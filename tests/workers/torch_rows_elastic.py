@@ -7,7 +7,8 @@ stepping on the same averaged gradients) must print the same.
 
 argv: steps, then ``raise``: every worker raises HorovodInternalError once, at step 5 (a
 reset with the same workers: the same keys go on); or ``fail``: every worker raises a
-ValueError at step 3 (the user's own error: uncaught, the job fails)."""
+ValueError at step 3 (the user's own error: uncaught, the job fails); ``fail-shutdown``: the
+same, with ``hvd.shutdown()`` in a ``finally`` (the store closes before the error is seen)."""
 
 import hashlib
 import sys
@@ -18,7 +19,8 @@ import torch
 import kvstore.torch as hvd
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 40
-RAISE, FAIL = sys.argv[2:3] == ["raise"], sys.argv[2:3] == ["fail"]
+MODE = sys.argv[2] if len(sys.argv) > 2 else ""
+RAISE, FAIL = MODE == "raise", MODE.startswith("fail")
 raised = False
 hvd.init()
 torch.manual_seed(0)
@@ -57,6 +59,10 @@ def train(state):
 
 
 state = hvd.elastic.TorchState(model, opt, step=0)
-train(state)
+try:
+    train(state)
+finally:
+    if MODE == "fail-shutdown":
+        hvd.shutdown()
 weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
 print(f"FINAL {hashlib.sha256(weights).hexdigest()[:16]} at step {state.step}", flush=True)
