@@ -206,21 +206,9 @@ def test_a_killed_launcher_leaves_nothing_running(tmp_path):
     job, so its servers and workers stop too instead of running on unwatched."""
     script = tmp_path / "quiet.py"
     script.write_text(QUIET)
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "2", "-s", "1", sys.executable, script],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    _, out = _interrupt_after_rounds(
+        ["-n", "2", "-s", "1", sys.executable, script], sig=signal.SIGKILL
     )
-    lines = []
-    for line in proc.stdout:  # bounded: the workers run at most 60 s
-        lines.append(line)
-        if "round 10" in line:
-            break
-    proc.kill()
-    proc.wait(10)
-    out = "".join(lines)
     started = [int(x) for x in re.findall(r"launch: started \w+ ?\d* on \S+ \(pid (\d+)\)", out)]
     assert len(started) == 4, out  # the scheduler, a server, two workers
     try:
