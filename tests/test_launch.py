@@ -556,7 +556,7 @@ def test_a_failure_passed_on_is_said_with_the_cause_it_names():
 
 
 @pytest.mark.parametrize("who", ["itself", "its child"])
-def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who):
+def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who, tmp_path):
     """An elastic job ended (its scheduler exited 0) while a worker is frozen (SIGSTOP, or a
     hung syscall: SIGTERM does nothing), or a child of it is (the worker itself exits on
     SIGTERM, the frozen child keeps its output open): the launcher kills the worker's whole
@@ -570,9 +570,16 @@ def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who):
     sup.elastic = True
     sup.after_job_grace, sup.stop_grace = 0.3, 0.5
     py = sys.executable
-    sup.start(Proc("scheduler", [py, "-c", "import time; time.sleep(1)"], role="scheduler"))
+    mark = tmp_path / "frozen"  # the scheduler ends the job once the worker is about to freeze
+    wait = (  # (bounded: 30 s)
+        "import os, time\nt = time.monotonic() + 30\n"
+        f"while not os.path.exists({str(mark)!r}) and time.monotonic() < t:\n"
+        "    time.sleep(0.01)"
+    )
+    sup.start(Proc("scheduler", [py, "-c", wait], role="scheduler"))
     freeze = (
-        "import os, signal; print('freezing', flush=True); os.kill(os.getpid(), signal.SIGSTOP)"
+        f"import os, signal; open({str(mark)!r}, 'w').close(); print('freezing', flush=True); "
+        "os.kill(os.getpid(), signal.SIGSTOP)"
     )
     if who == "its child":  # (bounded: the test's timeout)
         freeze = (
