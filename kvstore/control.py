@@ -143,17 +143,15 @@ class Control:
         poller.register(peer, zmq.POLLIN)
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
-        last_heard = next_beat = last_turn = time.monotonic()
+        next_beat = time.monotonic()
+        silence = Silence(next_beat)
+        waited = 0.0  # the longest the last turn's poll could wait
         registered = finalizing = refused = False
         failed = 0  # handshakes failed in a row
         try:
             while True:
                 now = time.monotonic()
-                if now - last_turn > cfg.heartbeat_timeout:
-                    # this process was not running (stopped, frozen): the scheduler's
-                    # silence says nothing yet; hear what it says to the next heartbeat
-                    last_heard = now
-                last_turn = now
+                silent = silence.turn(now, waited)
                 if now >= next_beat:
                     try:  # never wait for a scheduler that does not read
                         beat = Message("heartbeat", 0, self.role, self._heartbeat_body())
@@ -161,11 +159,11 @@ class Control:
                     except zmq.Again:
                         pass
                     next_beat = now + cfg.heartbeat_interval
-                if registered and not finalizing and now - last_heard > cfg.heartbeat_timeout:
-                    silent = now - last_heard
+                if registered and not finalizing and silent > cfg.heartbeat_timeout:
                     peer.send_multipart(encode(_scheduler_failed(cfg, silent)))
                     registered = False  # say it once
-                events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                waited = max(0.0, next_beat - time.monotonic())
+                events = dict(poller.poll(waited * 1000))
                 if monitor is not None and monitor in events:
                     event, value = monitor_event(monitor)
                     if event == zmq.EVENT_CONNECTED:
@@ -192,7 +190,7 @@ class Control:
                             sock.send_multipart(register, zmq.NOBLOCK)
                 if sock in events:
                     frames = sock.recv_multipart()
-                    last_heard = time.monotonic()
+                    silence.heard(time.monotonic())
                     msg = decode(frames)
                     if cfg.verbose and msg.kind != "heartbeat":
                         log.info("%s from the scheduler", msg.kind)
@@ -228,6 +226,35 @@ class Control:
             log.exception("metrics snapshot failed; heartbeats go on without metrics")
             self.metrics = None
             return {}
+
+
+_STALL = 0.1  # s: a turn of the link's loop this much later than its poll allowed: a stall
+
+
+class Silence:
+    """How long the scheduler has been silent while this link's thread could hear it.
+
+    :meth:`turn` at the top of each turn of the link's loop, with the longest the previous
+    turn's poll could wait: a turn later than that by more than :data:`_STALL` means this
+    process was not running (stopped, frozen, starved of CPU). The scheduler's silence
+    meanwhile says nothing (it answers the next heartbeat, perhaps with ``fenced``), so that
+    time is not counted: a node paused for a moment neither blames the scheduler nor stops.
+    :meth:`heard` when the scheduler's message arrives.
+    """
+
+    def __init__(self, now: float):
+        self.last_heard = self.last_turn = now
+
+    def turn(self, now: float, waited: float) -> float:
+        """The silence counted until ``now``."""
+        stalled = now - self.last_turn - waited
+        if stalled > _STALL:
+            self.last_heard = min(now, self.last_heard + stalled)
+        self.last_turn = now
+        return now - self.last_heard
+
+    def heard(self, now: float) -> None:
+        self.last_heard = now
 
 
 def resolve_scheduler(cfg: Config, sleep=time.sleep, clock=time.monotonic) -> str:
