@@ -2496,15 +2496,16 @@ class _RowGrads:
         keys = [f"{group.prefix}rows.{self.index}.{i}" for i in range(len(self.params))]
         if keys == self.keys:  # a reset with the same workers (a HorovodInternalError
             return  # raised by hand): the same generation's keys, made already
-        self.keys, self.steps = keys, [0] * len(self.params)
         empty = [
             RowSparse.empty(s, d, evict_after=2)
             for s, d in zip(self.shapes, self.dtypes, strict=True)
         ]
         if group.members is None:
-            _require().comm.run(lambda kv: kv.init(self.keys, empty))
+            _require().comm.run(lambda kv: kv.init(keys, empty))
         else:
-            _require().comm.run(lambda kv: kv.init(self.keys, empty, members=group.members))
+            _require().comm.run(lambda kv: kv.init(keys, empty, members=group.members))
+        # kept once made: an init that raised (an elastic reset follows) is tried again
+        self.keys, self.steps = keys, [0] * len(self.params)
 
     def sync(self, prescale: float, postscale: float) -> None:
         from .sparse import RowSparse

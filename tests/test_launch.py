@@ -147,9 +147,12 @@ def _alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a zombie (not yet reaped by its parent) is not running
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
+    # a zombie (not yet reaped by its parent) is not running; one reaped meanwhile is gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _interrupt_after_rounds(args, cwd=ROOT, sig=signal.SIGINT):
@@ -599,3 +602,94 @@ def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who, tmp_path):
     assert "stopping worker 0, still running 0.3s later" in said, said
     if who == "itself":
         assert "worker 0 on localhost did not stop within 0.5s of SIGTERM (frozen?)" in said
+
+
+def _bounded_wait_for(*marks) -> str:
+    """Python source: wait until every file ``marks`` exists (bounded: 30 s)."""
+    return (
+        "import os, time\nt = time.monotonic() + 30\n"
+        f"while not all(os.path.exists(m) for m in {[str(m) for m in marks]!r}) "
+        "and time.monotonic() < t:\n    time.sleep(0.01)\n"
+    )
+
+
+def test_an_elastic_job_whose_every_worker_failed_fails_though_newcomers_were_stopped(tmp_path):
+    """Both workers of an elastic job fail (each told the scheduler it finished, as
+    ``hvd.shutdown()`` in a ``finally`` does); newcomers take their slots, the scheduler ends
+    the job as done, and the launcher stops the newcomers, which never joined. The job
+    failed: every process that ran it failed (the launcher judged each slot by its newest
+    process, the stopped newcomer, and ended 0)."""
+    import io
+
+    from kvstore.launch.job import Proc, Supervisor
+
+    out = io.StringIO()
+    sup = Supervisor(out=out)
+    sup.elastic = True
+    sup.after_job_grace, sup.stop_grace = 0.5, 0.5
+    py = sys.executable
+    marks = [tmp_path / "w0", tmp_path / "w1"]
+    # the scheduler ends the job (done) 2 s after both workers failed: newcomers came by then
+    sched = _bounded_wait_for(*marks) + "time.sleep(2.0)"
+    sup.start(Proc("scheduler", [py, "-c", sched], role="scheduler"))
+    for rank, mark in enumerate(marks):
+        # the first process of a slot fails; a newcomer waits for a job that has ended
+        worker = (
+            "import os, sys, time\n"
+            f"if not os.path.exists({str(mark)!r}):\n"
+            f"    time.sleep({0.5 * rank}); open({str(mark)!r}, 'w').close(); sys.exit(3)\n"
+            + _bounded_wait_for(tmp_path / "never")
+        )
+        sup.start(Proc(f"worker {rank}", [py, "-c", worker], role="worker"))
+    try:
+        status = sup.wait(timeout=30)
+    finally:
+        for p in sup.procs:  # its group, by the leader's PID, whatever happened
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    said = out.getvalue()
+    assert said.count("a new one takes its slot") == 2, said  # (the case this test is for)
+    assert status == 3, said
+    assert "every worker's last process failed: the job failed" in said, said
+
+
+def test_a_stopped_worker_s_frozen_child_is_killed_when_the_launcher_ends(tmp_path):
+    """A worker stopped while the job goes on exits, leaving a frozen child that holds its
+    output; the launcher then ends (here its --timeout) before that worker's stop grace is
+    up. Its stop kills that group too: it stopped only processes still running, and the
+    frozen child stayed behind."""
+    import io
+
+    from kvstore.launch.job import Proc, Supervisor
+
+    out = io.StringIO()
+    sup = Supervisor(out=out)
+    sup.elastic = True
+    sup.after_job_grace, sup.stop_grace = 0.2, 3.0
+    py = sys.executable
+    mark = tmp_path / "child"  # the child's pid, once it is about to freeze
+    sup.start(Proc("scheduler", [py, "-c", _bounded_wait_for(mark)], role="scheduler"))
+    child = (
+        f"import os, signal; open({str(mark) + '.tmp'!r}, 'w').write(str(os.getpid())); "
+        f"os.rename({str(mark) + '.tmp'!r}, {str(mark)!r}); os.kill(os.getpid(), signal.SIGSTOP)"
+    )
+    worker = (  # (bounded: 60 s)
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+        "time.sleep(60)"
+    )
+    sup.start(Proc("worker 0", [py, "-c", worker], role="worker"))
+    pid = None
+    try:
+        status = sup.wait(timeout=2.5)  # ends within the worker's stop grace (3 s)
+        pid = int(mark.read_text())
+        assert poll_until(lambda: not _alive(pid), 10), f"its frozen child {pid} still runs"
+    finally:
+        for p in sup.procs:  # its group, by the leader's PID, whatever happened
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    said = out.getvalue()
+    assert status == 124 and "stopping worker 0, still running 0.2s later" in said, said

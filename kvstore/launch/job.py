@@ -39,6 +39,11 @@ class Proc:
     last_lines: list = field(default_factory=list, repr=False)
     retired: bool = False  # stopped by the launcher (its host left, or the job ended)
     kill_at: float = 0.0  # retired: when it is killed if SIGTERM has not ended it (0: never)
+    reader: threading.Thread | None = field(default=None, repr=False)  # relays its output
+
+    def holds_on(self) -> bool:
+        """Whether it runs, or something of its group still holds its output (a child)."""
+        return self.popen.poll() is None or (self.reader is not None and self.reader.is_alive())
 
 
 class Supervisor:
@@ -98,9 +103,9 @@ class Supervisor:
                 pass
         self.procs.append(proc)
         self.say(f"started {proc.name} on {proc.where} (pid {proc.popen.pid})")
-        reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
-        reader.start()
-        self.readers.append(reader)
+        proc.reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
+        proc.reader.start()
+        self.readers.append(proc.reader)
 
     def _relay(self, proc: Proc) -> None:
         for raw in proc.popen.stdout:
@@ -275,11 +280,14 @@ class Supervisor:
             names = ", ".join(p.name for p in aside)
             self.say(f"the others finished, but {names} failed three times in 60s (set aside)")
             return _status(aside[0].popen.returncode)
-        latest = self._latest_workers() if self.elastic else []
-        failed = [w for w in latest if w.popen.returncode and not w.retired]  # (not stopped)
-        if latest and len(failed) == len(latest):
+        if not self.elastic:
+            return 0
+        # each slot by its last process the launcher did not stop: a newcomer stopped after
+        # the job ended (it never joined) neither fails its slot nor hides its failure
+        ran = {p.name: p for p in self.procs if p.role == "worker" and not p.retired}
+        if ran and all(p.popen.returncode for p in ran.values()):
             self.say("every worker's last process failed: the job failed")
-            return _status(failed[0].popen.returncode)
+            return _status(next(iter(ran.values())).popen.returncode)
         return 0
 
     def _job_done(self) -> bool:
@@ -368,7 +376,11 @@ class Supervisor:
         """SIGTERM each process's group and close its stdin (remote ones stop on that; the
         scheduler, which takes a closed pipe for a launcher that died, has ended by then),
         then kill what is still running :attr:`stop_grace` seconds later."""
-        live = [p for p in self.procs if p.popen.poll() is None]
+        for p in self.procs:  # (an output still being read to its end: a moment)
+            if p.popen.poll() is not None and p.reader is not None:
+                p.reader.join(0.2)
+        # running, or exited leaving a child that holds its output (frozen, say)
+        live = [p for p in self.procs if p.holds_on()]
         for p in live:
             _signal_group(p.popen, signal.SIGTERM)
             try:
@@ -381,6 +393,8 @@ class Supervisor:
                 p.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+            if p.reader is not None:  # and a child holding its output: the same grace
+                p.reader.join(max(0.0, deadline - time.monotonic()))
             _signal_group(p.popen, signal.SIGKILL)  # what is left of its group, if any
             p.popen.wait(5)
         self._drain()
