@@ -2151,9 +2151,18 @@ class _DistributedMixin:
             wire.zero_()
         elif grad.is_sparse:
             if not self._kvt_sparse_as_dense:
+                name = self._kvt_names[id(p)]
+                if getattr(p, "_kvt_row_sparse", False):  # marked after this optimizer
+                    raise ValueError(
+                        f"parameter {name!r} has a sparse gradient and hvd.row_sparse was "
+                        "called on it after DistributedOptimizer: call hvd.row_sparse(module) "
+                        "before wrapping the optimizer"
+                    )
                 raise ValueError(
-                    f"parameter {self._kvt_names[id(p)]!r} has a sparse gradient: pass "
-                    "sparse_as_dense=True to DistributedOptimizer"
+                    f"parameter {name!r} has a sparse gradient: call hvd.row_sparse(module) "
+                    "before DistributedOptimizer to send only the rows a step touched, or "
+                    "pass sparse_as_dense=True to DistributedOptimizer (the whole table "
+                    "every step)"
                 )
             self._kvt_to_wire(wire, grad.to_dense())
         elif not (grad.data_ptr() == wire.data_ptr() and grad.dtype == wire.dtype):
@@ -2454,11 +2463,18 @@ def row_sparse(module) -> None:
     >>> hvd.row_sparse(emb)  # doctest: +SKIP
     """
     weight = getattr(module, "weight", module)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    embedding = isinstance(module, torch.nn.Module) and hasattr(module, "sparse")
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 2
+        or (isinstance(module, torch.nn.Module) and not embedding)
+    ):
         raise TypeError(
-            f"row_sparse: expected an nn.Embedding (or its 2-D weight), got {type(module).__name__}"
+            f"row_sparse: expected an nn.Embedding or nn.EmbeddingBag made with sparse=True "
+            f"(or its 2-D weight), got {type(module).__name__}: only those make row-sparse "
+            "gradients"
         )
-    if isinstance(module, torch.nn.Module) and not getattr(module, "sparse", True):
+    if embedding and not module.sparse:
         raise ValueError(
             "row_sparse: the module makes dense gradients; create it with sparse=True "
             "(nn.Embedding(num, dim, sparse=True))"
@@ -2518,8 +2534,9 @@ class _RowGrads:
                 continue
             if not grad.is_sparse:
                 raise ValueError(
-                    f"row_sparse: parameter of shape {shape} has a dense gradient; make its "
-                    "module with sparse=True"
+                    f"row_sparse: the {shape[0]} x {shape[1]} weight passed to hvd.row_sparse "
+                    "has a dense gradient: make its nn.Embedding or nn.EmbeddingBag with "
+                    "sparse=True"
                 )
             value = RowSparse.from_torch(grad.float() if grad.dtype == torch.bfloat16 else grad)
             if prescale != 1.0:

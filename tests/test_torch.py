@@ -655,7 +655,7 @@ def test_step_after_synchronize_warns():
 def test_sparse_gradients():
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="sparse gradient: pass sparse_as_dense=True"):
+    with pytest.raises(ValueError, match="call hvd.row_sparse.*or pass sparse_as_dense=True"):
         emb(torch.tensor([1, 2])).sum().backward()
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), sparse_as_dense=True)
@@ -735,3 +735,25 @@ def test_child_task_exports_torchrun_names():
     two_hosts = {**one_host, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
     assert worker_ranks(two_hosts, 1) == {"RANK": "1", "WORLD_SIZE": "2"}
     assert worker_ranks({"DMLC_NUM_WORKER": "4", "SLURM_NNODES": "1"}, 3)["LOCAL_RANK"] == "3"
+
+
+@pytest.mark.parametrize("case", ["a linear layer", "not marked", "marked after"])
+def test_row_sparse_misuse_says_what_to_do(case):
+    """A user trial's mistakes: hvd.row_sparse on a module that makes no row-sparse gradient
+    (it was taken, then failed at the first step naming only a shape); a sparse gradient with
+    no hvd.row_sparse, or with it called after DistributedOptimizer (both said only
+    "pass sparse_as_dense=True", the whole table every step)."""
+    emb = torch.nn.EmbeddingBag(10, 4, sparse=True)
+    if case == "a linear layer":
+        with pytest.raises(TypeError, match="expected an nn.Embedding or nn.EmbeddingBag made"):
+            hvd.row_sparse(torch.nn.Linear(3, 2))
+        return
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters()
+    )
+    if case == "marked after":
+        hvd.row_sparse(emb)
+    want = "called on it after DistributedOptimizer" if case == "marked after" else "call hvd.row"
+    with pytest.raises(ValueError, match=want):  # (at backward(): its hooks send)
+        emb(torch.tensor([[1, 2]])).sum().backward()
+        opt.step()
