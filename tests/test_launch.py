@@ -558,20 +558,37 @@ def test_a_failure_passed_on_is_said_with_the_cause_it_names():
     assert _named_by_others(w2, [w1, w2, server]) and not _named_by_others(w1, [w1, w2, server])
 
 
+def _elastic_supervisor(after_job_grace: float, stop_grace: float):
+    """A launcher's Supervisor of an elastic job with short graces, and what it says."""
+    import io
+
+    from kvstore.launch.job import Supervisor
+
+    out = io.StringIO()
+    sup = Supervisor(out=out)
+    sup.elastic = True
+    sup.after_job_grace, sup.stop_grace = after_job_grace, stop_grace
+    return sup, out
+
+
+def _kill_groups(sup) -> None:
+    """Every process group ``sup`` started, by its leader's PID, whatever happened."""
+    for p in sup.procs:
+        try:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.parametrize("who", ["itself", "its child"])
 def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who, tmp_path):
     """An elastic job ended (its scheduler exited 0) while a worker is frozen (SIGSTOP, or a
     hung syscall: SIGTERM does nothing), or a child of it is (the worker itself exits on
     SIGTERM, the frozen child keeps its output open): the launcher kills the worker's whole
     group once its stop grace has passed and ends, instead of waiting forever."""
-    import io
+    from kvstore.launch.job import Proc
 
-    from kvstore.launch.job import Proc, Supervisor
-
-    out = io.StringIO()
-    sup = Supervisor(out=out)
-    sup.elastic = True
-    sup.after_job_grace, sup.stop_grace = 0.3, 0.5
+    sup, out = _elastic_supervisor(after_job_grace=0.3, stop_grace=0.5)
     py = sys.executable
     mark = tmp_path / "frozen"  # the scheduler ends the job once the worker is about to freeze
     wait = (  # (bounded: 30 s)
@@ -593,11 +610,7 @@ def test_a_frozen_worker_is_killed_when_sigterm_cannot_stop_it(who, tmp_path):
     try:
         assert sup.wait(timeout=20) == 0, out.getvalue()
     finally:
-        for p in sup.procs:  # its group, by the leader's PID, whatever happened
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_groups(sup)
     said = out.getvalue()
     assert "stopping worker 0, still running 0.3s later" in said, said
     if who == "itself":
@@ -619,14 +632,9 @@ def test_an_elastic_job_whose_every_worker_failed_fails_though_newcomers_were_st
     the job as done, and the launcher stops the newcomers, which never joined. The job
     failed: every process that ran it failed (the launcher judged each slot by its newest
     process, the stopped newcomer, and ended 0)."""
-    import io
+    from kvstore.launch.job import Proc
 
-    from kvstore.launch.job import Proc, Supervisor
-
-    out = io.StringIO()
-    sup = Supervisor(out=out)
-    sup.elastic = True
-    sup.after_job_grace, sup.stop_grace = 0.5, 0.5
+    sup, out = _elastic_supervisor(after_job_grace=0.5, stop_grace=0.5)
     py = sys.executable
     marks = [tmp_path / "w0", tmp_path / "w1"]
     # the scheduler ends the job (done) 2 s after both workers failed: newcomers came by then
@@ -644,11 +652,7 @@ def test_an_elastic_job_whose_every_worker_failed_fails_though_newcomers_were_st
     try:
         status = sup.wait(timeout=30)
     finally:
-        for p in sup.procs:  # its group, by the leader's PID, whatever happened
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_groups(sup)
     said = out.getvalue()
     assert said.count("a new one takes its slot") == 2, said  # (the case this test is for)
     assert status == 3, said
@@ -660,14 +664,9 @@ def test_a_stopped_worker_s_frozen_child_is_killed_when_the_launcher_ends(tmp_pa
     output; the launcher then ends (here its --timeout) before that worker's stop grace is
     up. Its stop kills that group too: it stopped only processes still running, and the
     frozen child stayed behind."""
-    import io
+    from kvstore.launch.job import Proc
 
-    from kvstore.launch.job import Proc, Supervisor
-
-    out = io.StringIO()
-    sup = Supervisor(out=out)
-    sup.elastic = True
-    sup.after_job_grace, sup.stop_grace = 0.2, 3.0
+    sup, out = _elastic_supervisor(after_job_grace=0.2, stop_grace=3.0)
     py = sys.executable
     mark = tmp_path / "child"  # the child's pid, once it is about to freeze
     sup.start(Proc("scheduler", [py, "-c", _bounded_wait_for(mark)], role="scheduler"))
@@ -686,10 +685,6 @@ def test_a_stopped_worker_s_frozen_child_is_killed_when_the_launcher_ends(tmp_pa
         pid = int(mark.read_text())
         assert poll_until(lambda: not _alive(pid), 10), f"its frozen child {pid} still runs"
     finally:
-        for p in sup.procs:  # its group, by the leader's PID, whatever happened
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_groups(sup)
     said = out.getvalue()
     assert status == 124 and "stopping worker 0, still running 0.2s later" in said, said
