@@ -363,7 +363,7 @@ class Server:
     def _on_node_failed(self, msg: Message) -> int:
         text = f"{msg.body['node']} failed: {msg.body['reason']}"
         log.error("%s: %s; stopping", self.name, text)
-        self._peer_lost = text
+        self._peer_lost = self._last_failure = text  # said: the requests it fails say it not again
         self._execute(self.rounds.fail_all(text))
         return EXIT_AUTH if msg.body.get("auth") else EXIT_PEER_LOST
 

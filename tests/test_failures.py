@@ -51,6 +51,8 @@ def test_worker_dies_mid_training(cluster):
     for i in range(2):
         assert "worker 2 (127.0.0.1 pid" in c.output(f"worker{i}"), c.dump()
     assert c.wait([c.procs["server0"]], 10) == [129]
+    said = [line for line in c.output("server0").splitlines() if "worker 2 (127.0.0.1" in line]
+    assert len(said) == 1 and said[0].endswith("; stopping"), said  # once, and what it does
 
 
 def test_uneven_rounds_fail_at_once_naming_key_and_rank(cluster):
