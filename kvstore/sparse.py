@@ -27,6 +27,7 @@ that were pushed, and a push or a pull carries only the rows it names.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import defaultdict
 
@@ -211,10 +212,20 @@ def _from_coo(rows, cols, values, shape) -> RowSparse:
 
 def _float_ids(ids: np.ndarray, rows: int, what: str) -> np.ndarray:
     """Whole-number float ids as int64, once they are in ``[0, rows)`` (an inf or 1e30 would
-    cast to some other id): a ``ValueError`` naming the first one outside."""
-    bad = ~((ids >= 0) & (ids < rows))  # (NaN is not whole: refused before)
+    cast to some other id): a ``ValueError`` naming the first one outside, or the first one
+    past the float type's exact whole numbers (from 2**24 in float32, 2**53 in float64, a
+    float id may be another id rounded: 16777217 is 16777216 in float32)."""
+    wide = ids.astype(np.float64, copy=False)  # (rows as a float16 would be inf)
+    bad = ~((wide >= 0) & (wide < rows))  # (NaN is not whole: refused before)
     if bad.any():
         raise ValueError(f"{what} {float(ids[bad][0]):g} is outside [0, {rows})")
+    exact = 2 ** (np.finfo(ids.dtype).nmant + 1)
+    if ids.size and ids.max() >= exact:
+        raise ValueError(
+            f"{what} {int(ids.max())} is a {ids.dtype} id from 2**{exact.bit_length() - 1} "
+            f"= {exact} up, where {ids.dtype} skips whole numbers (an id may have been "
+            f"rounded to it): give row ids as integers (int64)"
+        )
     return ids.astype(np.int64)
 
 
@@ -270,21 +281,37 @@ def constant(value: float) -> dict:
     return {"kind": "constant", "value": float(value)}
 
 
-def uniform(low: float = -0.07, high: float = 0.07, seed: int = 0) -> dict:
-    """Uniform in ``[low, high)``; the same row gets the same values for the same seed."""
-    return {"kind": "uniform", "low": float(low), "high": float(high), "seed": int(seed)}
+def uniform(low: float = -0.07, high: float = 0.07, seed: int | None = None) -> dict:
+    """Uniform in ``[low, high)``; the same row gets the same values for the same seed.
+    ``seed=None``: the key's own (:func:`keyed`): two tables start apart."""
+    return {"kind": "uniform", "low": float(low), "high": float(high), "seed": _seed(seed)}
 
 
-def normal(mean: float = 0.0, std: float = 0.01, seed: int = 0) -> dict:
-    """Normal(mean, std); the same row gets the same values for the same seed."""
-    return {"kind": "normal", "mean": float(mean), "std": float(std), "seed": int(seed)}
+def normal(mean: float = 0.0, std: float = 0.01, seed: int | None = None) -> dict:
+    """Normal(mean, std); the same row gets the same values for the same seed.
+    ``seed=None``: the key's own (:func:`keyed`): two tables start apart."""
+    return {"kind": "normal", "mean": float(mean), "std": float(std), "seed": _seed(seed)}
+
+
+def _seed(seed):
+    return None if seed is None else int(seed)
+
+
+def keyed(spec: dict | None, key) -> dict | None:
+    """``spec`` with a seed left to the key (``None``) made the key's own: 64 bits of a
+    BLAKE2 hash of the key, the same in every process (Python's ``hash`` is not), so the
+    rows of two tables differ, as two tables' random initialisers draw apart in MXNet."""
+    if not spec or "seed" not in spec or spec["seed"] is not None:
+        return spec
+    name = f"{type(key).__name__}:{key}".encode()
+    return {**spec, "seed": int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")}
 
 
 _INIT_FIELDS = {
     "zeros": {},
     "constant": {"value": (int, float)},
-    "uniform": {"low": (int, float), "high": (int, float), "seed": (int,)},
-    "normal": {"mean": (int, float), "std": (int, float), "seed": (int,)},
+    "uniform": {"low": (int, float), "high": (int, float), "seed": (int, type(None))},
+    "normal": {"mean": (int, float), "std": (int, float), "seed": (int, type(None))},
 }
 
 
@@ -310,7 +337,7 @@ def check_init(spec) -> dict:
         raise ValueError(f"row initializer {spec!r}: low must be <= high")
     if spec["kind"] == "normal" and spec["std"] < 0:
         raise ValueError(f"row initializer {spec!r}: std must be >= 0")
-    if spec["kind"] in ("uniform", "normal") and not 0 <= spec["seed"] < 2**64:
+    if spec["kind"] in ("uniform", "normal") and not 0 <= (spec["seed"] or 0) < 2**64:
         raise ValueError(f"row initializer {spec!r}: seed must be in [0, 2**64)")
     checked = {"kind": spec["kind"], **{k: spec[k] for k in _INIT_FIELDS[spec["kind"]]}}
     for rule, low in (("admit_after", 1), ("evict_after", 0)):  # row admission and eviction
@@ -358,11 +385,11 @@ def init_rows(spec: dict, ids: np.ndarray, dim: int, dtype, out: np.ndarray | No
     step = max(1, _CHUNK // max(dim, 1))
     for lo in range(0, ids.size, step):
         part = ids[lo : lo + step]
-        u = _unit(spec["seed"], part, dim, 0)
+        u = _unit(spec["seed"] or 0, part, dim, 0)  # (None: a table made with no key)
         if kind == "uniform":
             out[lo : lo + step] = spec["low"] + (spec["high"] - spec["low"]) * u
         else:  # Box-Muller with a second stream
-            v = _unit(spec["seed"], part, dim, 1)
+            v = _unit(spec["seed"] or 0, part, dim, 1)
             z = np.sqrt(-2.0 * np.log1p(-u)) * np.cos(2 * math.pi * v)
             out[lo : lo + step] = spec["mean"] + spec["std"] * z
     return out

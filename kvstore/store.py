@@ -17,7 +17,15 @@ from . import optimizer as opt
 from .arrays import copy_into, device_id, is_array, namespace, reduce_sum
 from .compression import Compression, PullCodes
 from .protocol import internal
-from .sparse import RowSparse, check_ids, check_optimizer, check_since, sum_rows, write_rows
+from .sparse import (
+    RowSparse,
+    check_ids,
+    check_optimizer,
+    check_since,
+    keyed,
+    sum_rows,
+    write_rows,
+)
 
 
 @dataclass(slots=True)
@@ -652,7 +660,8 @@ class KVStore:
             if v.dtype.kind not in "fc":
                 raise TypeError(f"init(key={k!r}): a row-sparse key holds floats, got {v.dtype}")
             canonical = v.canonical()
-            items.append(RowsItem(k, RowSparse(canonical.indices, canonical.data, v.shape, v.init)))
+            init = keyed(v.init, k)  # (a seed left to the key: the key's own)
+            items.append(RowsItem(k, RowSparse(canonical.indices, canonical.data, v.shape, init)))
         self._init_rows(items, members)
         for item in items:
             v = item.value

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 import kvstore
-from kvstore.sparse import RowSparse, init_rows, uniform
+from kvstore.sparse import RowSparse, init_rows, keyed, uniform
 
 kind, dtype, seed = sys.argv[1], np.dtype(sys.argv[2]), int(sys.argv[3])
 sharding = sys.argv[4] if len(sys.argv) > 4 else None
@@ -145,5 +145,20 @@ for i in range(2):
     got = np.zeros(shape, dtype)
     kv.row_sparse_pull("adm", out=got, row_ids=[1])
     check(f"admission round {i}", got[1], [0.0 if i == 0 else rate * W * (W + 1) / 2] * 3)
+# two tables with the default seed (a user's two-tower model) start apart: each key's own
+# seed, the same on every server and worker
+for name in ("user", "item"):
+    kv.init(name, RowSparse.empty(huge, dtype, init=uniform(-1, 1), sharding=sharding))
+ask = np.array([0, 7, 10**8, 10**9 - 1])
+first = {}
+for name in ("user", "item"):
+    got = RowSparse.empty(huge, dtype)
+    kv.row_sparse_pull(name, out=got, row_ids=ask)
+    spec = keyed(uniform(-1, 1), name)
+    check(f"{name} first rows", got.data, init_rows(spec, ask, huge[1], dtype))
+    first[name] = got.data
+if np.array_equal(first["user"], first["item"]):
+    print(f"rank {rank}: two tables with the default seed start alike", flush=True)
+    sys.exit(5)
 kv.close()
 print(f"rank {rank} OK sparse {dtype}", flush=True)
