@@ -71,12 +71,20 @@ def _note_uncaught(kind, value, tb) -> None:
     closed at exit, reports this worker as failed), print it as before, and for a KVStoreError
     or a bad setting exit with its code (``kvstore.errors``: 129 for a lost peer tells the
     platform to retry) instead of Python's 1."""
-    if not issubclass(kind, KeyboardInterrupt):
-        _ending.append(f"raised {kind.__name__}: {value}"[:400])
+    _ending.append(_ended_by(kind, value))
     _previous_hook(kind, value, tb)
     code = exit_code_of(value) if isinstance(value, (KVStoreError, ConfigError)) else 1
     if code != 1:
         _exit_as_python_would(code)
+
+
+def _ended_by(kind, value) -> str:
+    """Why an exception ends this worker, as the others will read it ("worker 1 failed: it
+    ..."): a KeyboardInterrupt (Ctrl-C, SIGINT) is an interruption, not an error of the
+    script, and not a finish either (the others would be told to look for uneven data)."""
+    if issubclass(kind, KeyboardInterrupt):
+        return "was interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"
+    return f"raised {kind.__name__}: {value}"[:400]
 
 
 def _exit_as_python_would(code: int) -> None:
@@ -1218,8 +1226,8 @@ class DistStore(KVStore):
             self._close_quietly()
 
     def __exit__(self, kind, value, tb) -> None:
-        if kind is not None and not issubclass(kind, KeyboardInterrupt):
-            self._fail_out(f"raised {kind.__name__}: {value}"[:400])
+        if kind is not None:
+            self._fail_out(_ended_by(kind, value))
         else:
             self.close()
 

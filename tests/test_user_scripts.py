@@ -72,6 +72,23 @@ def test_a_crash_is_named_once_with_its_exception_and_ends_the_job_at_once():
     assert end - crashed < 10, end - crashed  # the launcher's 2s window, not a timeout
 
 
+def test_a_rank_interrupted_is_named_as_interrupted_not_as_finished():
+    """(From a user trial.) Ctrl-C in one rank's terminal: its KeyboardInterrupt closed the
+    store as if the rank had finished, so the others were told it finished after some
+    pushes and to look for uneven data (join()), and the job ended 1. Now the others say it
+    was interrupted, and the job ends as the interrupted rank did (130, as a shell says)."""
+    code, out, seen, end = run(3, "--interrupt-rank", 1, "--rounds", 200)
+    assert code == 130, out
+    for rank in (0, 2):
+        said = rf"\[worker {rank}\] kvstore.errors.PeerLostError: pushpull: (server 0 \(.*\): )?"
+        said += r"worker 1 \(127.0.0.1 pid \d+\) failed: it was interrupted \(KeyboardInterrupt"
+        assert re.search(said, out), out
+    for noise in ("same number of times", "join()", "Exception ignored", "heartbeat"):
+        assert noise not in out, (noise, out)
+    ends = [line for _, line in seen if re.match(r"launch: \S+ \d on localhost (was|exited)", line)]
+    assert ends[0].startswith("launch: worker 1 on localhost was killed by SIGINT"), out
+
+
 def test_a_slow_rank_is_reported_not_killed():
     env = {"KVSTORE_STALL_REPORT": "1", "KVSTORE_TIMEOUT": "3"}  # the old deadline: 3s
     code, out, _, _ = run(2, "--slow-rank", 1, "--slow-seconds", 4, env=env)

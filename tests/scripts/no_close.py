@@ -2,6 +2,7 @@
 closed. At the middle step one rank may misbehave:
 
 --crash-rank R     raises RuntimeError
+--interrupt-rank R is interrupted (SIGINT to itself: a Ctrl-C in its terminal)
 --slow-rank R      sleeps --slow-seconds (a long validation or checkpoint)
 --barrier-rank R   calls barrier() where the others push (a deadlock)
 --stop-rank R      stops training (returns from main: its store is collected); with
@@ -9,6 +10,8 @@ closed. At the middle step one rank may misbehave:
 """
 
 import argparse
+import os
+import signal
 import time
 
 import numpy as np
@@ -18,7 +21,7 @@ import kvstore
 
 def main():
     p = argparse.ArgumentParser()
-    for name in ("crash", "slow", "barrier", "stop"):
+    for name in ("crash", "interrupt", "slow", "barrier", "stop"):
         p.add_argument(f"--{name}-rank", type=int, default=-1)
     p.add_argument("--slow-seconds", type=float, default=0)
     p.add_argument("--barrier-after-stop", action="store_true")
@@ -31,6 +34,8 @@ def main():
         if step == args.rounds // 2:
             if kv.rank == args.crash_rank:
                 raise RuntimeError(f"boom at step {step}")
+            if kv.rank == args.interrupt_rank:
+                os.kill(os.getpid(), signal.SIGINT)
             if kv.rank == args.slow_rank:
                 print(f"rank {kv.rank} validating for {args.slow_seconds:g}s", flush=True)
                 time.sleep(args.slow_seconds)
