@@ -9,6 +9,7 @@ store in :mod:`kvstore.worker`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,8 @@ from .sparse import (
     sum_rows,
     write_rows,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -395,13 +398,48 @@ class KVStore:
         self._push(items)
 
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
-        """Copy each key's current value into ``out`` (one array or one per device)."""
+        """Copy each key's current value into ``out`` (one array or one per device).
+        A row-sparse key pulled into dense arrays gets every row (a small table); into
+        :class:`~kvstore.sparse.RowSparse` outputs, as MXNet, it is skipped with a warning
+        (``ignore_sparse=True``, the default: use :meth:`row_sparse_pull`), or gets every
+        row (``ignore_sparse=False``)."""
         if out is None:
             raise ValueError("pull: out= is required (one array, or one per device, per key)")
         if self._sparse and self._names_rows(key):
+            kept = self._without_sparse_outs(key, out) if ignore_sparse else None
+            if kept is not None:
+                if not kept:
+                    return
+                key, out = [k for k, _ in kept], [o for _, o in kept]
             self._split_rows("pull", key, None, out)
             return
         self._pull(self._items("pull", key, outs=out))
+
+    def _without_sparse_outs(self, key, out) -> list | None:
+        """``pull``'s ``(key, out)`` pairs less the row-sparse keys pulled into RowSparse
+        outputs, which MXNet's ``ignore_sparse=True`` skips, saying so; None when there is
+        no pair per key (the pull refuses it, in its own words)."""
+        single = not isinstance(key, (list, tuple))
+        keys, outs = ([key], [out]) if single else (list(key), out)
+        if not isinstance(outs, (list, tuple)) or len(outs) != len(keys):
+            return None
+        kept = []
+        for k, o in zip(keys, outs, strict=True):
+            given = list(o) if isinstance(o, (list, tuple)) else [o]
+            if (
+                _norm_key(k) in self._sparse
+                and given
+                and all(isinstance(g, RowSparse) for g in given)
+            ):
+                log.warning(
+                    "pull(key=%r) into a RowSparse skipped (ignore_sparse=True, as MXNet): "
+                    "use row_sparse_pull(key, out, row_ids), or pull(..., ignore_sparse=False) "
+                    "for every row",
+                    _norm_key(k),
+                )
+                continue
+            kept.append((k, o))
+        return kept
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """``push`` then ``pull``; with ``out=None`` the result is written back into ``value``.
@@ -458,6 +496,7 @@ class KVStore:
             self._check_pull_compression()
         self._compression = compression
         self._residuals = {}
+        self._uncompressed: set = set()  # row-sparse keys told to travel as they are
 
     def _check_pull_compression(self) -> None:
         """Raise where compressed pulls do not apply: a store whose updates run in it."""
@@ -568,7 +607,8 @@ class KVStore:
                         "use row_sparse_pull(key, out, row_ids) for the rows you need"
                     )
                 ids.append(np.arange(n))
-            self._row_sparse_pull_rows([k for k, _, _ in rows], [o for _, _, o in rows], ids)
+            outs_ = [o for _, _, o in rows]
+            self._row_sparse_pull_rows([k for k, _, _ in rows], outs_, ids, "pull")
             return
         pushed = [self._rows_value(what, k, v) for k, v, _ in rows]
         items = [RowsItem(k, p) for (k, _, _), p in zip(rows, pushed, strict=True)]
@@ -577,7 +617,7 @@ class KVStore:
             self._push_rows(items)
             return
         pulls = self._rows_pull_items(
-            [k for k, _, _ in rows], [o for _, _, o in rows], [p.indices for p in pushed]
+            [k for k, _, _ in rows], [o for _, _, o in rows], [p.indices for p in pushed], what
         )
         for item, pull in zip(items, pulls, strict=True):
             item.outs = pull.outs  # what the metrics count as pulled
@@ -591,11 +631,12 @@ class KVStore:
     def _rows_value(self, what: str, key, value) -> RowSparse:
         """The canonical sum of a key's pushed values (one per device)."""
         meta = self._sparse[key]
-        if self._compression is not None:
-            raise ValueError(
-                f"{what}(key={key!r}): gradient compression does not apply to row-sparse "
-                "keys (their pushes carry only the rows touched); push them from a store "
-                "without set_gradient_compression, or make the key dense"
+        if self._compression is not None and key not in self._uncompressed:
+            self._uncompressed.add(key)  # (said once a key)
+            log.warning(
+                "gradient compression applies to dense keys: row-sparse key %r travels "
+                "uncompressed (its pushes carry only the rows touched)",
+                key,
             )
         optimizer = getattr(self, "_optimizer", None)
         if optimizer is not None:  # refused here, before anything is sent
@@ -671,7 +712,7 @@ class KVStore:
             self._meta[item.key] = self._sparse[item.key] = meta
             self._key_kind = type(item.key)
 
-    def _row_sparse_pull_rows(self, key, out, row_ids) -> None:
+    def _row_sparse_pull_rows(self, key, out, row_ids, what: str = "row_sparse_pull") -> None:
         single = not isinstance(key, (list, tuple))
         keys = [_norm_key(k) for k in ([key] if single else key)]
         outs = [out] if single else list(out)
@@ -681,9 +722,9 @@ class KVStore:
         if len(outs) != len(keys):
             raise ValueError("row_sparse_pull: with a list of keys, give one out per key")
         _no_repeats("row_sparse_pull", keys)
-        self._pull_rows(self._rows_pull_items(keys, outs, ids))
+        self._pull_rows(self._rows_pull_items(keys, outs, ids, what))
 
-    def _rows_pull_items(self, keys, outs, ids) -> list:
+    def _rows_pull_items(self, keys, outs, ids, what: str = "row_sparse_pull") -> list:
         """Checked :class:`RowsItem` s of a row-sparse pull: one list of outputs and one id
         array per output, per key."""
         items = []
@@ -692,21 +733,21 @@ class KVStore:
             if meta is None:
                 if k in self._meta:
                     raise TypeError(
-                        f"row_sparse_pull(key={k!r}): a list of keys mixes row-sparse and "
+                        f"{what}(key={k!r}): a list of keys mixes row-sparse and "
                         "dense keys; pull them in separate calls"
                     )
-                raise KeyError(f"row_sparse_pull(key={k!r}): key was never initialised")
+                raise KeyError(f"{what}(key={k!r}): key was never initialised")
             key_outs = list(o) if isinstance(o, (list, tuple)) else [o]
             for target in key_outs:
                 if isinstance(target, RowSparse):
                     if target.shape != meta.shape:
                         raise ValueError(
-                            f"row_sparse_pull(key={k!r}): out shape {target.shape} does not "
+                            f"{what}(key={k!r}): out shape {target.shape} does not "
                             f"match the initialised shape {meta.shape}"
                         )
                 elif not is_array(target) or tuple(target.shape) != meta.shape:
                     raise TypeError(
-                        f"row_sparse_pull(key={k!r}): out must be a kvstore.sparse.RowSparse "
+                        f"{what}(key={k!r}): out must be a kvstore.sparse.RowSparse "
                         f"or an array of the key's shape {meta.shape}"
                     )
             id_list = list(r) if isinstance(r, (list, tuple)) and not _is_id_list(r) else [r]
@@ -714,10 +755,10 @@ class KVStore:
                 id_list = id_list * len(key_outs)
             if len(id_list) != len(key_outs):
                 raise ValueError(
-                    f"row_sparse_pull(key={k!r}): {len(id_list)} row_ids for "
+                    f"{what}(key={k!r}): {len(id_list)} row_ids for "
                     f"{len(key_outs)} outputs; give one, or one per output"
                 )
-            checked = [check_ids("row_sparse_pull", k, x, meta.shape[0]) for x in id_list]
+            checked = [check_ids(what, k, x, meta.shape[0]) for x in id_list]
             items.append(RowsItem(k, outs=key_outs, ids=checked))
         return items
 
@@ -747,7 +788,9 @@ class KVStore:
         return self._save_rows(k, None if since is None else int(since))
 
     def load_rows(self, key, value: RowSparse, step: int | None = None) -> None:
-        """Set rows of a row-sparse key (from :meth:`save_rows`), bypassing the optimizer.
+        """Set rows of a row-sparse key (from :meth:`save_rows`), bypassing the optimizer
+        (each row once; the optimizer state of a row already stored stays as it is: load it
+        with :meth:`load_optimizer_states`).
         ``step`` (the one ``save_rows`` returned): the key's steps continue from there, so
         ``save_rows(key, since=step)`` keeps working after a restart."""
         k = _norm_key(key)
@@ -766,6 +809,13 @@ class KVStore:
         ):
             raise ValueError(
                 f"load_rows(key={k!r}): step must be None or in [0, 2**31), got {step!r}"
+            )
+        ids = np.sort(value.indices)
+        again = ids[1:][ids[1:] == ids[:-1]]
+        if again.size:  # a push sums repeats; a load sets rows: which value would be meant?
+            raise ValueError(
+                f"load_rows(key={k!r}): row id {int(again[0])} is given more than once; "
+                "give each row once (save_rows does)"
             )
         c = value.canonical()
         rows = RowSparse(c.indices, c.data.astype(meta.dtype, copy=False), meta.shape)

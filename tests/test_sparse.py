@@ -263,9 +263,6 @@ def test_errors_say_what_is_wrong():
         kv.init("emb", RowSparse.empty((10, 2)))
     with pytest.raises(ValueError, match="row initializer"):
         RowSparse.empty((10, 2), init={"kind": "uniform", "low": 1})
-    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
-    with pytest.raises(ValueError, match="gradient compression does not apply to row-sparse"):
-        kv.push("emb", RowSparse([1], np.ones((1, 2), np.float32), (10, 2)))
     kv2 = kvstore.create("local")
     kv2.init("emb", RowSparse.empty((10, 2)))
     kv2.set_optimizer(opt.LAMB())
@@ -758,6 +755,81 @@ def test_a_rowsparse_with_a_dense_or_unknown_key_and_float_ids_say_what_is_wrong
                 RowSparse(np.array([bad]), np.ones((1, 2), np.float32), shape)
             with pytest.raises(ValueError, match="outside"):
                 kv.row_sparse_pull("d", out=got, row_ids=np.array([bad]))
+
+
+def test_under_gradient_compression_row_sparse_keys_travel_as_they_are(caplog):
+    """(From a user trial.) A CTR model's store compresses its dense keys; its embedding's
+    rows were refused at every push, with advice nobody could follow (compression cannot be
+    turned off). Now the rows travel uncompressed, exact, said once a key; the dense key
+    beside them is still compressed (2-bit: 0.3 under a 0.5 threshold sends nothing)."""
+    import kvstore
+
+    kv = kvstore.create("local")
+    kv.init("emb", RowSparse.empty((10, 2)))
+    kv.init("fc", np.zeros(4, np.float32))
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    out = RowSparse.empty((10, 2), np.float32)
+    with caplog.at_level("WARNING", logger="kvstore"):
+        for _ in range(2):
+            kv.push("emb", RowSparse([1, 4], np.full((2, 2), 0.3, np.float32), (10, 2)))
+            kv.row_sparse_pull("emb", out=out, row_ids=[4, 1])
+            assert out.indices.tolist() == [1, 4] and (out.data == np.float32(0.3)).all()
+    said = [r.getMessage() for r in caplog.records if "travels uncompressed" in r.getMessage()]
+    assert said == [
+        "gradient compression applies to dense keys: row-sparse key 'emb' travels "
+        "uncompressed (its pushes carry only the rows touched)"
+    ], said
+    kv.push("fc", np.full(4, 0.3, np.float32))
+    fc = np.empty(4, np.float32)
+    kv.pull("fc", out=fc)
+    assert (fc == 0).all(), fc  # quantised: below the threshold, nothing yet
+
+
+def test_pull_of_row_sparse_keys_follows_ignore_sparse(caplog):
+    """(From a user trial.) MXNet's ``pull(..., ignore_sparse=True)`` (its default) skips
+    a row-sparse key pulled into a sparse output, with a warning; it was taken and ignored
+    here. Dense outputs get every row, as before, and so does ``ignore_sparse=False``. A
+    wrong output names ``pull``, the call made (it named row_sparse_pull)."""
+    import kvstore
+
+    shape = (10, 2)
+    kv = kvstore.create("local")
+    kv.init("emb", RowSparse.empty(shape))
+    kv.init("fc", np.zeros(3, np.float32))
+    kv.push("emb", RowSparse([1], np.ones((1, 2), np.float32), shape))
+    kv.push("fc", np.ones(3, np.float32))
+    rows, fc = RowSparse.empty(shape, np.float32), np.zeros(3, np.float32)
+    with caplog.at_level("WARNING", logger="kvstore"):
+        kv.pull(["fc", "emb"], out=[fc, rows])
+        kv.pull("emb", out=rows)
+    assert rows.nnz == 0 and fc.tolist() == [1, 1, 1]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("pull(key='emb') into a RowSparse skipped" in x for x in said)
+    kv.pull("emb", out=rows, ignore_sparse=False)
+    assert rows.indices.tolist() == list(range(10)) and rows.data[:, 0].tolist()[:3] == [0, 1, 0]
+    dense = np.full(shape, -1, np.float32)
+    kv.pull("emb", out=dense)
+    want = np.zeros(shape, np.float32)
+    want[1] = 1
+    np.testing.assert_array_equal(dense, want)
+    with pytest.raises(TypeError, match=r"^pull\(key='emb'\): out must be"):
+        kv.pull("emb", out=np.zeros((3, 2), np.float32))
+
+
+def test_load_rows_refuses_a_row_given_twice():
+    """(From a user trial.) ``load_rows`` of ids [5, 5] with rows 2 and 3 stored 5: a load
+    sets rows, and a row given twice has no one value. Refused, the table unchanged."""
+    import kvstore
+
+    shape = (10, 2)
+    kv = kvstore.create("local")
+    kv.init("emb", RowSparse.empty(shape))
+    kv.load_rows("emb", RowSparse([5], np.full((1, 2), 7, np.float32), shape))
+    twice = RowSparse([5, 1, 5], np.array([[2, 2], [1, 1], [3, 3]], np.float32), shape)
+    with pytest.raises(ValueError, match=r"load_rows\(key='emb'\): row id 5 is given more"):
+        kv.load_rows("emb", twice)
+    rows, _ = kv.save_rows("emb")
+    assert rows.indices.tolist() == [5] and rows.data.tolist() == [[7, 7]]
 
 
 def test_float_ids_past_their_exact_whole_numbers_are_refused():
