@@ -601,6 +601,45 @@ def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
     assert "[worker 0] finished 1" in out, out
 
 
+@pytest.mark.parametrize("alike", [True, False])
+def test_every_worker_failing_the_same_way_ends_the_job_at_once(tmp_path, alike):
+    """Every worker of an elastic job raises the same error (a bug in the script): the job
+    ends when the last of them fails, each started once (three tracebacks; it was nine:
+    each slot was started again twice and set aside). Errors that differ (each names its
+    process) keep the slots' three tries."""
+    script = tmp_path / "train.py"
+    said = "'the same bug'" if alike else "f'process {os.getpid()} has its own bug'"
+    script.write_text(
+        "import os\n"
+        "import numpy as np\n"
+        "import kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(1, np.float32))\n"
+        f"raise ValueError({said})\n"
+    )
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1", "--timeout", "100"]
+        + [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    if alike:
+        assert out.count("Traceback") == 3 and out.count("launch: started worker") == 3, out
+        assert (
+            'every worker failed the same way ("ValueError: the same bug"), so would its '
+            "replacement: stopping the job"
+        ) in out, out
+    else:
+        assert out.count("Traceback") == 9, out
+        assert "every worker slot is set aside: stopping the job" in out, out
+
+
 def test_soak_short_form(tmp_path):
     """scripts/elastic_soak.py's short form: 6 random changes (joins, graceful leaves, kill
     -9) one or two seconds apart, W between 2 and 6, three keys pushed in turn by blocking

@@ -175,6 +175,15 @@ class Supervisor:
                     self._host_failed(proc, now)  # its slot is filled at the next look
                     continue
                 if proc.popen.returncode and self.elastic and proc.role == "worker":
+                    alike = self._failed_alike()
+                    if alike is not None:
+                        self.say(
+                            f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}: "
+                            f"every worker failed the same way (\"{alike}\"), so would its "
+                            "replacement: stopping the job"
+                        )
+                        self.stop()
+                        return _status(proc.popen.returncode)
                     recent = [t for t in failures.get(proc.name, []) if t > now - 60] + [now]
                     failures[proc.name] = recent
                     if len(recent) >= 3:
@@ -188,9 +197,11 @@ class Supervisor:
                             self.stop()
                             return _status(proc.popen.returncode)
                     else:
+                        going = any(w.popen.poll() is None for w in self._latest_workers())
                         self.say(
                             f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}; "
-                            "the others go on, and a new one takes its slot in 1s"
+                            f"{'the others go on, and ' if going else ''}a new one takes its "
+                            "slot in 1s"
                         )
                         restarts.append((now + 1.0, proc))
                     continue
@@ -289,6 +300,19 @@ class Supervisor:
             self.say("every worker's last process failed: the job failed")
             return _status(next(iter(ran.values())).popen.returncode)
         return 0
+
+    def _failed_alike(self) -> str | None:
+        """The last line every worker slot's latest process ended with, when two or more
+        slots have no process running, each exited with the same failing status and that
+        same line (a bug in the script, the same everywhere: the replacements would fail
+        alike); else None."""
+        latest = self._latest_workers()
+        # each exited with the same status, not killed (a signal is not the script's doing)
+        ends = {(p.popen.poll(), p.last_lines[-1] if p.last_lines else None) for p in latest}
+        if len(latest) < 2 or len(ends) != 1:
+            return None
+        code, line = ends.pop()
+        return line if code is not None and code > 0 and line is not None else None
 
     def _job_done(self) -> bool:
         """An elastic job's scheduler ended it: every worker present had finished."""
