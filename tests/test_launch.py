@@ -155,7 +155,7 @@ def _alive(pid):
         return False
 
 
-def _interrupt_after_rounds(args, cwd=ROOT, sig=signal.SIGINT):
+def _interrupt_after_rounds(args, cwd=ROOT, sig=signal.SIGINT, times=1):
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), *map(str, args)],
         cwd=cwd,
@@ -169,6 +169,13 @@ def _interrupt_after_rounds(args, cwd=ROOT, sig=signal.SIGINT):
         if "round 10" in line:
             break
     proc.send_signal(sig)
+    if times > 1:  # again, once it says it stops the processes (Ctrl-C pressed again)
+        for line in proc.stdout:  # bounded: it stops within its stop_grace
+            lines.append(line)
+            if "stopping every process" in line:
+                for _ in range(times - 1):
+                    proc.send_signal(sig)
+                break
     rest, _ = proc.communicate(timeout=30)
     return proc.returncode, "".join(lines) + rest
 
@@ -184,6 +191,18 @@ def test_ctrl_c_stops_every_process(sig, code_said):
     )
     assert code == code_said[0], out
     assert f"{code_said[1]}; stopping every process" in out, out
+    pids = _pids(out)
+    assert len(pids) == 2 and not any(_alive(p) for p in pids), out
+
+
+def test_ctrl_c_twice_stops_every_process_without_a_traceback():
+    """(From a user trial.) A second Ctrl-C while the launcher stops the job printed its
+    KeyboardInterrupt traceback; the stop goes on, quietly, exit status 130."""
+    code, out = _interrupt_after_rounds(
+        ["-n", "2", "-s", "1", sys.executable, LOOP, 100000], times=3
+    )
+    assert code == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     pids = _pids(out)
     assert len(pids) == 2 and not any(_alive(p) for p in pids), out
 

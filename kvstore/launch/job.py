@@ -179,7 +179,7 @@ class Supervisor:
                     if alike is not None:
                         self.say(
                             f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}: "
-                            f"every worker failed the same way (\"{alike}\"), so would its "
+                            f'every worker failed the same way ("{alike}"), so would its '
                             "replacement: stopping the job"
                         )
                         self.stop()
@@ -229,9 +229,12 @@ class Supervisor:
             self._drain()
             return self._aside_status(aside)
         except KeyboardInterrupt as exc:  # Ctrl-C: 130; SIGTERM: 143, as a shell says
+            # a second one (Ctrl-C pressed twice): the stop goes on, bounded by stop_grace,
+            # and the launcher ends with no traceback (SIGINT stays ignored to its exit)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             terminated = isinstance(exc, _Terminated)
             self.say(f"{'terminated' if terminated else 'interrupted'}; stopping every process")
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one: the stop goes on
             self.stop()
             return 143 if terminated else 130
         finally:
