@@ -300,6 +300,36 @@ def test_ssh_unreachable_host_fails_fast(sshd, tmp_path):
     assert "Connection refused" in done.stdout
 
 
+def test_ssh_a_remote_process_killed_is_said_in_one_line(sshd, tmp_path):
+    """(From a two-host user trial.) A worker killed on its host (SIGKILL, the OOM killer's
+    signal) came back as status 137 and bash's job notice, twice: "bash: line 1: N Killed
+    ( cd ... && exec env DMLC_... ) < /dev/null", every setting of the job in it. Now one
+    line says which signal."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, signal\n"
+        "import numpy as np\n"
+        "import kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(1, np.float32))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = launch(
+        *("-n", "1", "-s", "1", "--launcher", "ssh", "-H", hosts),
+        *sshd.ssh_options(),
+        sys.executable,
+        script,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 137, done.stdout
+    said = "worker 0 on 127.0.0.2 exited with status 137 (last output: 'killed by SIGKILL"
+    assert said in done.stdout, done.stdout
+    assert "Killed" not in done.stdout and "DMLC_" not in done.stdout, done.stdout
+
+
 def test_ssh_ctrl_c_stops_remote_processes(sshd, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.2\n")

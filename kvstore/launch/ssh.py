@@ -18,11 +18,17 @@ from .job import Proc
 from .spec import SECRETS, JobSpec
 
 # Run CMD in the background, stop it when ssh's stdin closes, exit with its status. (A
-# background job's stdin is /dev/null unless redirected, hence the copy on fd 3.)
+# background job's stdin is /dev/null unless redirected, hence the copy on fd 3.) A status
+# 128 + N is signal N's, as a shell reports it: said in one line for a signal that is not a
+# stop (SIGKILL, SIGSEGV; not SIGINT or SIGTERM, nor 129: kvstore's lost peer), instead of
+# bash's job notice, which repeats the whole command with its settings.
 _WATCH = (
     "exec 3<&0; ({cmd}) </dev/null & child=$!; "
     "(cat <&3 >/dev/null; kill -TERM $child 2>/dev/null) >/dev/null 2>&1 & "
-    "wait $child"
+    "wait $child 2>/dev/null; s=$?; "
+    "if [ $s -gt 130 ] && [ $s -lt 160 ] && [ $s -ne 143 ]; then "
+    'echo "killed by SIG$(kill -l $s) (status $s)" >&2; fi; '
+    "exit $s"
 )
 
 
