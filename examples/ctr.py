@@ -14,6 +14,9 @@ the log loss's gradient, and pushes the rows' gradient (a ``RowSparse``: only th
 batch touched) and the MLP's (a dense key); the servers apply Adam, lazily (only the rows
 touched and their state). After each epoch rank 0 prints the held-out AUC, the rows per
 second it pulled and pushed, and what the servers hold (``kv.server_stats()``).
+
+For a fixed set of workers (it reads its rank and the worker count once, and calls
+``barrier()`` each epoch): not an elastic job's script (README: Elastic workers).
 """
 
 from __future__ import annotations
