@@ -575,6 +575,14 @@ class Membership:
                 f"barrier() for worker(s) {stuck}, which wait for this round: every worker "
                 "must push a key the same number of times before a barrier"
             )
+            came = self._newcomers()
+            new = [r for r in stuck if r in came]
+            if new:  # a replacement that ran its script from the start
+                text += (
+                    f"; worker(s) {new} came mid-job (epoch {came[new[0]]}) and started the "
+                    "script over: an elastic job's script goes on from the others' state "
+                    "(kvstore.elastic; README, Elastic workers)"
+                )
             self.failure = self.failure or text
             fail = Message("fail_round", 0, "scheduler", {"key": b["key"], "message": text})
             return [

@@ -389,6 +389,29 @@ def test_a_stall_waiting_for_a_newcomer_says_so_and_how_to_avoid_it():
     assert "known limits): kvstore.elastic's reset avoids it" in text, text
 
 
+def test_a_deadlock_with_a_newcomer_says_it_came_mid_job():
+    """(From a two-host user trial.) A replacement that ran a fixed-size script from its
+    start reached a round the others, waiting in their epoch barrier for it, never push: the
+    deadlock now says the worker came mid-job and what an elastic script does instead."""
+    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
+    m.receive(b"s", register("server", 1), 0.0)
+    m.receive(b"a", register("worker", 2, 0), 0.0)
+    m.receive(b"b", register("worker", 3, 1), 0.0)
+    m.tick(1.1)
+    m.tick(2.5)
+    m.receive(b"c", register("worker", 4, 2), 2.6)  # slot 2, taken mid-job: epoch 1
+    for who in (b"a", b"b"):
+        m.receive(who, Message("barrier", 7, "x", {"group": "worker"}), 2.7)
+    body = {"key": "'w'", "round": 7, "age": 1.0, "missing": [0, 1], "silent": [1.0, 1.0]}
+    body |= {"present": [2], "waiting": [2]}
+    m.receive(b"s", Message("stalled", 1, "server", body), 2.8)
+    assert m.failure.startswith("deadlock: dist_sync round 7"), m.failure
+    assert m.failure.endswith(
+        "; worker(s) [2] came mid-job (epoch 1) and started the script over: an elastic "
+        "job's script goes on from the others' state (kvstore.elastic; README, Elastic workers)"
+    ), m.failure
+
+
 def _launch_elastic(
     tmp_path,
     kill_after: str,
