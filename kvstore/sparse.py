@@ -337,9 +337,9 @@ def check_init(spec) -> dict:
         raise ValueError(f"row initializer {spec!r}: low must be <= high")
     if spec["kind"] == "normal" and spec["std"] < 0:
         raise ValueError(f"row initializer {spec!r}: std must be >= 0")
-    if spec["kind"] in ("uniform", "normal") and not 0 <= (spec["seed"] or 0) < 2**64:
+    if spec["kind"] in ("uniform", "normal") and not 0 <= (spec.get("seed") or 0) < 2**64:
         raise ValueError(f"row initializer {spec!r}: seed must be in [0, 2**64)")
-    checked = {"kind": spec["kind"], **{k: spec[k] for k in _INIT_FIELDS[spec["kind"]]}}
+    checked = {"kind": spec["kind"], **{k: spec.get(k) for k in _INIT_FIELDS[spec["kind"]]}}
     for rule, low in (("admit_after", 1), ("evict_after", 0)):  # row admission and eviction
         if rule in spec:
             value = spec[rule]

@@ -170,6 +170,7 @@ class KVStore:
         self._key_kind: type | None = None
         self._seen_lists: set = set()  # key lists already checked (see _seen)
         self._compression: Compression | None = None
+        self._skipped: set = set()  # row-sparse keys a pull skipped, said once (ignore_sparse)
         self._pushed = False
         self._sparse: dict = {}  # row-sparse keys -> Meta (kvstore.sparse)
 
@@ -423,20 +424,20 @@ class KVStore:
         keys, outs = ([key], [out]) if single else (list(key), out)
         if not isinstance(outs, (list, tuple)) or len(outs) != len(keys):
             return None
+        _no_repeats("pull", [_norm_key(k) for k in keys])
         kept = []
         for k, o in zip(keys, outs, strict=True):
             given = list(o) if isinstance(o, (list, tuple)) else [o]
-            if (
-                _norm_key(k) in self._sparse
-                and given
-                and all(isinstance(g, RowSparse) for g in given)
-            ):
-                log.warning(
-                    "pull(key=%r) into a RowSparse skipped (ignore_sparse=True, as MXNet): "
-                    "use row_sparse_pull(key, out, row_ids), or pull(..., ignore_sparse=False) "
-                    "for every row",
-                    _norm_key(k),
-                )
+            name = _norm_key(k)
+            if name in self._sparse and given and all(isinstance(g, RowSparse) for g in given):
+                if name not in self._skipped:  # (said once a key)
+                    self._skipped.add(name)
+                    log.warning(
+                        "pull(key=%r) into a RowSparse skipped (ignore_sparse=True, as MXNet): "
+                        "use row_sparse_pull(key, out, row_ids), or pull(..., "
+                        "ignore_sparse=False) for every row",
+                        name,
+                    )
                 continue
             kept.append((k, o))
         return kept
@@ -476,9 +477,10 @@ class KVStore:
         return Pending(None)
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
-        """Initialise each key with ``value`` (rank 0's) and pull it into ``out`` everywhere."""
+        """Initialise each key with ``value`` (rank 0's) and pull it into ``out`` everywhere
+        (a row-sparse key: every row, into a RowSparse too)."""
         self.init(key, value)
-        self.pull(key, out=out)
+        self.pull(key, out=out, ignore_sparse=False)
 
     def set_gradient_compression(self, params: dict) -> None:
         """``{'type': '2bit', 'threshold': 0.5}`` or ``{'type': '1bit'}``: every push from now
@@ -598,6 +600,8 @@ class KVStore:
             self._init_row_keys([k for k, _, _ in rows], [v for _, v, _ in rows], members)
             return
         if what == "pull":  # a whole small table, as MXNet's pull of a row_sparse key
+            if not rows:  # (skipped: ignore_sparse)
+                return
             ids = []
             for k, _, _ in rows:
                 n = self._sparse[k].shape[0]

@@ -1226,9 +1226,9 @@ class DistStore(KVStore):
             self._close_quietly()
 
     def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
+        if kind is not None and not (issubclass(kind, SystemExit) and value.code in (0, None)):
             self._fail_out(_ended_by(kind, value))
-        else:
+        else:  # (sys.exit() or sys.exit(0) in the block: a finish)
             self.close()
 
     def _close_quietly(self) -> None:

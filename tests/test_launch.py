@@ -594,6 +594,39 @@ def test_ssh_colocated_servers_one_per_host(sshd, tmp_path):
     assert "1 servers" not in done.stdout and "[worker 1] done" in done.stdout
 
 
+@pytest.mark.parametrize(
+    "ends,alike",
+    [
+        ([(1, "ValueError: bug"), (1, "ValueError: bug")], "ValueError: bug"),
+        ([(1, "ValueError: bug"), (1, "ValueError: other")], None),
+        ([(1, "ValueError: bug"), (2, "ValueError: bug")], None),
+        ([(1, "ValueError: bug"), (None, "step 3")], None),  # one still runs
+        ([(1, "ValueError: bug")], None),  # one worker: its slot's three tries
+        # killed over ssh: 128 + 9, said alike by the remote wrapper: a signal, not a bug
+        ([(137, "killed by SIGKILL (status 137)")] * 2, None),
+        ([(-9, "step 3")] * 2, None),  # killed here
+    ],
+)
+def test_every_worker_failed_alike_only_for_one_status_and_line(ends, alike):
+    """``Supervisor._failed_alike`` (review findings): the same failing exit and last line
+    in every slot; never a signal's end (a whole job OOM-killed over ssh reads alike)."""
+    from kvstore.launch.job import Proc, Supervisor
+
+    class Ended:  # a process's popen, ended with ``code`` (None: running)
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    sup = Supervisor(out=open(os.devnull, "w"))
+    for rank, (code, line) in enumerate(ends):
+        proc = Proc(f"worker {rank}", [], role="worker", last_lines=[line])
+        proc.popen = Ended(code)
+        sup.procs.append(proc)
+    assert sup._failed_alike() == alike
+
+
 def test_a_failure_passed_on_is_said_with_the_cause_it_names():
     """With two causes (workers 1 and 2), a server whose last line names worker 2 passes on
     worker 2's failure, not the first cause's (review finding); a line naming none, none."""

@@ -804,7 +804,9 @@ def test_pull_of_row_sparse_keys_follows_ignore_sparse(caplog):
         kv.pull("emb", out=rows)
     assert rows.nnz == 0 and fc.tolist() == [1, 1, 1]
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2 and all("pull(key='emb') into a RowSparse skipped" in x for x in said)
+    assert len(said) == 1 and "pull(key='emb') into a RowSparse skipped" in said[0], said
+    with pytest.raises(ValueError, match="duplicate keys"):
+        kv.pull(["emb", "emb"], out=[rows, rows])
     kv.pull("emb", out=rows, ignore_sparse=False)
     assert rows.indices.tolist() == list(range(10)) and rows.data[:, 0].tolist()[:3] == [0, 1, 0]
     dense = np.full(shape, -1, np.float32)
@@ -814,6 +816,36 @@ def test_pull_of_row_sparse_keys_follows_ignore_sparse(caplog):
     np.testing.assert_array_equal(dense, want)
     with pytest.raises(TypeError, match=r"^pull\(key='emb'\): out must be"):
         kv.pull("emb", out=np.zeros((3, 2), np.float32))
+
+
+def test_a_table_without_a_seed_has_its_key_s_own():
+    """(Review finding.) Two random tables without a seed start apart in a local store too,
+    int keys (0 beside 1) as str keys; a seed given is used as it is; a spec dict without a
+    seed is taken as one left to the key."""
+    import kvstore
+
+    shape, ask = (10**6, 4), np.array([0, 7, 999_999])
+    firsts = {}
+    for keys in ((0, 1), ("user", "item")):
+        kv = kvstore.create("local")
+        for k in keys:
+            kv.init(k, RowSparse.empty(shape, np.float32, init=sparse.uniform(-1, 1)))
+        for k in keys:
+            out = RowSparse.empty(shape, np.float32)
+            kv.row_sparse_pull(k, out=out, row_ids=ask)
+            want = sparse.init_rows(sparse.keyed(sparse.uniform(-1, 1), k), ask, 4, np.float32)
+            np.testing.assert_array_equal(out.data, want)
+            firsts[k] = out.data
+        assert not np.array_equal(firsts[keys[0]], firsts[keys[1]]), keys
+    spec = {"kind": "normal", "mean": 0.0, "std": 1.0}  # no seed in it
+    kv.init("spec", RowSparse.empty(shape, np.float32, init=spec))
+    out = RowSparse.empty(shape, np.float32)
+    kv.row_sparse_pull("spec", out=out, row_ids=ask)
+    own = sparse.keyed(sparse.normal(0, 1), "spec")
+    np.testing.assert_array_equal(out.data, sparse.init_rows(own, ask, 4, np.float32))
+    seeded = sparse.init_rows(sparse.uniform(-1, 1, seed=0), ask, 4, np.float32)
+    assert sparse.keyed(sparse.uniform(-1, 1, seed=0), "user")["seed"] == 0
+    assert not np.array_equal(seeded, firsts["user"])
 
 
 def test_load_rows_refuses_a_row_given_twice():

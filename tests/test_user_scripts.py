@@ -89,6 +89,29 @@ def test_a_rank_interrupted_is_named_as_interrupted_not_as_finished():
     assert ends[0].startswith("launch: worker 1 on localhost was killed by SIGINT"), out
 
 
+def test_sys_exit_0_in_a_with_block_is_a_finish(tmp_path):
+    """(Review finding.) ``sys.exit()`` inside ``with kvstore.create(...) as kv:`` is a
+    finish, not a failure: every rank exits 0 and no one is told of a failure."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "import numpy as np\n"
+        "import kvstore\n"
+        "with kvstore.create('dist_sync') as kv:\n"
+        "    kv.init('w', np.zeros(2, np.float32))\n"
+        "    kv.pushpull('w', np.ones(2, np.float32))\n"
+        "    print('rank', kv.rank, 'done', flush=True)\n"
+        "    sys.exit(0)\n"
+    )
+    argv = [sys.executable, str(ROOT / "launch.py"), "-n", "2", "-s", "1", "--timeout", "60"]
+    done = subprocess.run(
+        [*argv, sys.executable, str(script)], capture_output=True, text=True, timeout=90
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "rank 0 done" in out and "rank 1 done" in out and "failed" not in out, out
+
+
 def test_a_slow_rank_is_reported_not_killed():
     env = {"KVSTORE_STALL_REPORT": "1", "KVSTORE_TIMEOUT": "3"}  # the old deadline: 3s
     code, out, _, _ = run(2, "--slow-rank", 1, "--slow-seconds", 4, env=env)

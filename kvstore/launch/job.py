@@ -118,7 +118,8 @@ class Supervisor:
         self.exits.put(proc)  # in the order the processes ended
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for every process; the first failure stops the rest. Returns the exit status."""
+        """Wait for every process; the first failure stops the rest. Returns the exit status
+        (after Ctrl-C, 130, with SIGINT ignored from then on)."""
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         deadline = None if timeout is None else time.monotonic() + timeout
         ended: list[Proc] = []
@@ -230,7 +231,8 @@ class Supervisor:
             return self._aside_status(aside)
         except KeyboardInterrupt as exc:  # Ctrl-C: 130; SIGTERM: 143, as a shell says
             # a second one (Ctrl-C pressed twice): the stop goes on, bounded by stop_grace,
-            # and the launcher ends with no traceback (SIGINT stays ignored to its exit)
+            # with no traceback; SIGINT stays ignored after (the launcher is ending: its
+            # timeline merge, its exit)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             terminated = isinstance(exc, _Terminated)
@@ -315,7 +317,9 @@ class Supervisor:
         if len(latest) < 2 or len(ends) != 1:
             return None
         code, line = ends.pop()
-        return line if code is not None and code > 0 and line is not None else None
+        if code is None or code <= 0 or line is None or line.startswith("killed by SIG"):
+            return None  # (over ssh a signal comes as 128 + N, said by ssh._WATCH)
+        return line
 
     def _job_done(self) -> bool:
         """An elastic job's scheduler ended it: every worker present had finished."""
