@@ -1,7 +1,15 @@
+import signal
+
 import pytest
 
 from .cluster import Cluster
 from .sshd import PrivateSshd, available
+
+# A suite started in the background by a shell without job control (`cmd &` in a script)
+# inherits SIGINT ignored, and so would every process a test starts: a launcher or worker
+# that a test interrupts (Ctrl-C) would never hear it. Caught here, it is default again in
+# the processes the tests start (an exec resets a caught signal, not an ignored one).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
