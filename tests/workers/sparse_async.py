@@ -35,7 +35,10 @@ kv.row_sparse_pull("t", out=out, row_ids=np.arange(shape[0]))
 if not np.array_equal(out, want):
     print(f"rank {rank}: async sum wrong at rows {np.argwhere(out != want)[:5, 0]}", flush=True)
     sys.exit(5)
-# under gradient compression (for the dense keys) rows travel as they are, exact
+# under gradient compression (for the dense keys) rows travel as they are, exact (after a
+# barrier: under dist_async a push is applied on arrival, and another worker may not have
+# pulled the sums above yet)
+kv.barrier()
 kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
 kv.push("t", RowSparse([1], np.full((1, 4), 0.25, np.float32), shape))
 kv.barrier()
