@@ -588,6 +588,22 @@ def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
     assert out.count("launch: started worker 1 ") == 2, out
 
 
+def _run_elastic(tmp_path, script, workers: str) -> tuple[int, str]:
+    """Run ``script`` in an elastic job (``-n workers``, one server) to its end (a 100 s
+    deadline): its exit status and all it printed."""
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "-n", workers, "-s", "1", "--timeout", "100"]
+        + [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
     """An elastic job's worker in slot 1 fails at once every time it starts: it is started
     again twice, then its slot is set aside; the others finish their steps, and the job
@@ -607,18 +623,8 @@ def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):
         "    time.sleep(0.1)\n"
         "print('finished', kv.num_workers, flush=True)\n"
     )
-    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "1:2", "-s", "1"]
-        + [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode == 3, out
+    code, out = _run_elastic(tmp_path, script, "1:2")
+    assert code == 3, out
     assert out.count("launch: started worker 1 ") == 3, out
     assert "its slot is set aside" in out and "set aside)" in out, out
     assert "[worker 0] finished 1" in out, out
@@ -640,18 +646,8 @@ def test_every_worker_failing_the_same_way_ends_the_job_at_once(tmp_path, alike)
         "kv.init('w', np.zeros(1, np.float32))\n"
         f"raise ValueError({said})\n"
     )
-    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "2:3", "-s", "1", "--timeout", "100"]
-        + [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode == 1, out
+    code, out = _run_elastic(tmp_path, script, "2:3")
+    assert code == 1, out
     if alike:
         assert out.count("Traceback") == 3 and out.count("launch: started worker") == 3, out
         assert (
