@@ -176,7 +176,12 @@ def _interrupt_after_rounds(args, cwd=ROOT, sig=signal.SIGINT, times=1):
                 for _ in range(times - 1):
                     proc.send_signal(sig)
                 break
-    rest, _ = proc.communicate(timeout=30)
+    try:
+        rest, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # it never heard the signal: stop its job, by its PID
+        proc.terminate()  # (SIGTERM: the launcher stops every process it started)
+        rest, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"launch.py ignored {sig!r}:\n{''.join(lines)}{rest}") from None
     return proc.returncode, "".join(lines) + rest
 
 
