@@ -17,10 +17,13 @@ SGD momentum's state); with ``--job-memory`` the resident memory (VmRSS) of a wh
 ``--mxnet PYTHON`` (a Python with MXNet 1.9.1) MXNet's KVStore
 (``/work/shared/anchors/mxnet_ps.py --row-sparse 100000x64x4096``, W and S the same)
 beside kvstore's identical step, run back to back, with the ratio (both tables initialised
-with every row, ones, as the anchor does).
+with every row, ones, as the anchor does). Between them (and with ``--floor`` alone) the
+same step done with nothing but NumPy and one message each way per server
+(``sparse_floor.py``): the most a Python parameter server reaches on this machine.
 
     python benchmarks/sparse.py                     # W=2 S=2, every dim and size
     python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
+    python benchmarks/sparse.py --dims "" --no-memory --floor    # kvstore's anchor and the floor
     python benchmarks/sparse.py --dims 16 --reqs 1K --budget 0.3 --no-memory   # a smoke run
     python benchmarks/sparse.py --dims "" --no-memory --job-memory   # the whole job's RSS
     python benchmarks/sparse.py --dims 64 --reqs 4K --no-memory --replicas 2   # with replicas
@@ -42,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sparse_floor  # noqa: E402
 from pushpull import SECURITY, free_port  # noqa: E402
 from zmq_bound import EchoServer, timed  # noqa: E402
 
@@ -402,6 +406,24 @@ def memory_rows(touched=(10_000, 100_000, 1_000_000), dim: int = 64) -> list[dic
     return rows
 
 
+def floor_rows(args) -> list[dict]:
+    """The anchor's step with nothing but NumPy and one message each way per server
+    (``sparse_floor.py``), rows by hash and by range: the most a Python parameter server
+    reaches here."""
+    rows = []
+    for sharding in ("hash", "range"):
+        runs = sparse_floor.run(
+            args.workers, args.servers, args.anchor, args.anchor_steps, args.anchor_repeats,
+            sharding=sharding, timeout=args.timeout,
+        )  # fmt: skip
+        stats = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
+        rows.append(
+            {"op": "anchor", "config": "floor", "size": args.anchor, "sharding": sharding,
+             **stats, "runs": runs}
+        )  # fmt: skip
+    return rows
+
+
 def run_mxnet(args) -> list[dict]:
     cmd = [
         args.mxnet,
@@ -460,6 +482,7 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-steps", type=int, default=50)
     ap.add_argument("--anchor-repeats", type=int, default=3)
     ap.add_argument("--mxnet", default="", help="a Python with MXNet 1.9.1: run its anchor too")
+    ap.add_argument("--floor", action="store_true", help="the anchor beside the Python floor")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--job-memory", action="store_true", help="a whole job's RSS, 10^6 rows")
     ap.add_argument("--touched", type=int, default=10**6, help=argparse.SUPPRESS)
@@ -472,8 +495,9 @@ def main(argv=None) -> int:
     if args.as_memory_worker:
         return memory_worker(args)
     results = run_cluster(args) + zmq_rows(args)
-    if args.mxnet:  # back to back: MXNet, then kvstore's same step
-        results += run_mxnet(args)
+    if args.mxnet or args.floor:  # back to back: MXNet, the floor, kvstore's same step
+        results += run_mxnet(args) if args.mxnet else []
+        results += floor_rows(args)
         results += run_cluster(args, anchor=args.anchor)
     if not args.no_memory:
         results += memory_rows()
@@ -514,19 +538,28 @@ def table(results: list[dict], args) -> str:
             f"{nbytes / 1e6:>7.1f}MB {zbytes / 1e6:>7.1f}MB {nbytes / zbytes:>7.0%}"
         )
     mx = [r for r in results if r.get("config") == "mxnet"]
+    floor = {r["sharding"]: r for r in results if r.get("config") == "floor"}
+    for sharding, r in floor.items():
+        lines.append(
+            f"floor {args.anchor} (sparse_floor.py, rows by {sharding}: NumPy and one message "
+            f"each way per server, nothing else): {r['median']:,.0f} rows/s"
+            + (f", {r['median'] / mx[0]['median']:.2f}x MXNet" if mx else "")
+        )
     for op, sharding in itertools.product(("anchor", "anchor pushpull"), ("hash", "range")):
         anchor = [
             r
             for r in results
             if r.get("op") == op and r.get("config") == "kvstore" and r["sharding"] == sharding
         ]
-        if mx and anchor:
+        if anchor and (mx or floor):
             call = "push + row_sparse_pull" if op == "anchor" else "pushpull"
-            lines += [
-                f"anchor {args.anchor} ({call}, rows by {sharding}): kvstore "
-                f"{anchor[0]['median']:,.0f} rows/s, MXNet (push + row_sparse_pull) "
-                f"{mx[0]['median']:,.0f} rows/s: {anchor[0]['median'] / mx[0]['median']:.2f}x"
-            ]
+            ours = anchor[0]["median"]
+            line = f"anchor {args.anchor} ({call}, rows by {sharding}): kvstore {ours:,.0f} rows/s"
+            if mx:
+                line += f", MXNet {mx[0]['median']:,.0f} rows/s: {ours / mx[0]['median']:.2f}x"
+            if sharding in floor:
+                line += f"; {ours / floor[sharding]['median']:.0%} of the floor"
+            lines.append(line)
     for r in results:
         if r.get("config") == "job memory":
             parts = ", ".join(f"{k} {v:.0f}" for k, v in r["mib"].items())

@@ -178,6 +178,31 @@ def test_sparse_benchmark_smoke():
     assert "vs zmq" in done.stdout
 
 
+def test_sparse_benchmark_floor_smoke():
+    """--floor: the anchor step beside the Python floor (sparse_floor.py) in the same run."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "sparse.py"),
+            *("--dims", "", "--no-memory", "--floor", "--anchor", "2000x16x256"),
+            *("--anchor-steps", "20", "--anchor-repeats", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    floor = {r["sharding"]: r for r in rows if r["config"] == "floor"}
+    assert sorted(floor) == ["hash", "range"], rows
+    assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in floor.values()), rows
+    anchors = {(r["op"], r["sharding"]) for r in rows if r["config"] == "kvstore"}
+    assert anchors == {(op, s) for op in ("anchor", "anchor pushpull") for s in ("hash", "range")}
+    assert done.stdout.count("of the floor") == 4, done.stdout
+    assert not [p for p in Path("/dev/shm").glob("kvstore-floor-*")]  # its segments are gone
+
+
 def test_sum_order_smoke():
     script = str(ROOT / "benchmarks" / "sum_order.py")
     done = subprocess.run(
