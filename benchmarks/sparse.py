@@ -18,12 +18,12 @@ SGD momentum's state); with ``--job-memory`` the resident memory (VmRSS) of a wh
 (``/work/shared/anchors/mxnet_ps.py --row-sparse 100000x64x4096``, W and S the same)
 beside kvstore's identical step, run back to back, with the ratio (both tables initialised
 with every row, ones, as the anchor does). Between them (and with ``--floor`` alone) the
-same step done with nothing but NumPy and one message each way per server
-(``sparse_floor.py``): the most a Python parameter server reaches on this machine.
+same step done by bare designs with nothing but NumPy and one small message each way per
+server (``sparse_floor.py``): how fast a Python parameter server can be on this machine.
 
     python benchmarks/sparse.py                     # W=2 S=2, every dim and size
     python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
-    python benchmarks/sparse.py --dims "" --no-memory --floor    # kvstore's anchor and the floor
+    python benchmarks/sparse.py --dims "" --no-memory --floor    # kvstore's anchor, the floors
     python benchmarks/sparse.py --dims 16 --reqs 1K --budget 0.3 --no-memory   # a smoke run
     python benchmarks/sparse.py --dims "" --no-memory --job-memory   # the whole job's RSS
     python benchmarks/sparse.py --dims 64 --reqs 4K --no-memory --replicas 2   # with replicas
@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparse_floor  # noqa: E402
 from pushpull import SECURITY, free_port  # noqa: E402
+from sparse_floor import unique_ids  # noqa: E402
 from zmq_bound import EchoServer, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,15 +230,6 @@ def job_memory_rows(args) -> list[dict]:
     return rows
 
 
-def unique_ids(ids: np.ndarray) -> np.ndarray:
-    """``np.unique(ids)`` by a sort: the same ids. The anchor's step draws its ids with
-    ``np.unique``, which NumPy 2.3+ does with a hash table, about 230 us for 4,096 ids
-    here against 25 us in MXNet's NumPy 1.23: that alone would be a quarter of the step we
-    measure, and not kvstore's."""
-    ids = np.sort(ids)
-    return ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids
-
-
 def calls(kv, key, shape, grads, req) -> list:
     """(name, call, rows per call) of the measured operations on one table."""
     from kvstore.sparse import RowSparse
@@ -407,19 +399,19 @@ def memory_rows(touched=(10_000, 100_000, 1_000_000), dim: int = 64) -> list[dic
 
 
 def floor_rows(args) -> list[dict]:
-    """The anchor's step with nothing but NumPy and one message each way per server
-    (``sparse_floor.py``), rows by hash and by range: the most a Python parameter server
-    reaches here."""
+    """The anchor's step done by bare designs with nothing but NumPy and one small message each
+    way per server (``sparse_floor.py``), rows by hash and by range: how fast a Python
+    parameter server can be here, and what each design choice is worth."""
     rows = []
-    for sharding in ("hash", "range"):
+    for design, sharding in itertools.product(sparse_floor.DESIGNS, ("hash", "range")):
         runs = sparse_floor.run(
             args.workers, args.servers, args.anchor, args.anchor_steps, args.anchor_repeats,
-            sharding=sharding, timeout=args.timeout,
+            design, sharding, timeout=args.timeout,
         )  # fmt: skip
         stats = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
         rows.append(
-            {"op": "anchor", "config": "floor", "size": args.anchor, "sharding": sharding,
-             **stats, "runs": runs}
+            {"op": "anchor", "config": f"floor {design}", "size": args.anchor,
+             "sharding": sharding, **stats, "runs": runs}
         )  # fmt: skip
     return rows
 
@@ -538,11 +530,15 @@ def table(results: list[dict], args) -> str:
             f"{nbytes / 1e6:>7.1f}MB {zbytes / 1e6:>7.1f}MB {nbytes / zbytes:>7.0%}"
         )
     mx = [r for r in results if r.get("config") == "mxnet"]
-    floor = {r["sharding"]: r for r in results if r.get("config") == "floor"}
-    for sharding, r in floor.items():
+    floor = {
+        (r["config"].split()[1], r["sharding"]): r
+        for r in results
+        if r.get("config", "").startswith("floor ")
+    }
+    for (design, sharding), r in floor.items():
         lines.append(
-            f"floor {args.anchor} (sparse_floor.py, rows by {sharding}: NumPy and one message "
-            f"each way per server, nothing else): {r['median']:,.0f} rows/s"
+            f"floor {args.anchor} (sparse_floor.py {design}, rows by {sharding}): "
+            f"{r['median']:,.0f} rows/s"
             + (f", {r['median'] / mx[0]['median']:.2f}x MXNet" if mx else "")
         )
     for op, sharding in itertools.product(("anchor", "anchor pushpull"), ("hash", "range")):
@@ -557,8 +553,9 @@ def table(results: list[dict], args) -> str:
             line = f"anchor {args.anchor} ({call}, rows by {sharding}): kvstore {ours:,.0f} rows/s"
             if mx:
                 line += f", MXNet {mx[0]['median']:,.0f} rows/s: {ours / mx[0]['median']:.2f}x"
-            if sharding in floor:
-                line += f"; {ours / floor[sharding]['median']:.0%} of the floor"
+            for design in sparse_floor.DESIGNS:
+                if (design, sharding) in floor:
+                    line += f"; {ours / floor[design, sharding]['median']:.0%} of {design}"
             lines.append(line)
     for r in results:
         if r.get("config") == "job memory":

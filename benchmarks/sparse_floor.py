@@ -1,19 +1,29 @@
-"""The floor of a row-sparse parameter server in Python on this machine: MXNet's anchor step
-(W workers, S servers, a ROWS x DIM table, REQ random draws a step, unique, pushed then pulled
-back) done with nothing but what the step cannot go without.
+"""How fast a row-sparse parameter server in Python can be on this machine: MXNet's anchor step
+(W workers, S servers, a ROWS x DIM table, REQ random draws a step, unique, pushed as ones and
+pulled back; a round's pushes are summed and the sum becomes the rows) done by bare designs with
+nothing but the step's own work: no protocol, checks, deadlines, failure handling or optimizer.
 
-Each server holds its rows (by hash, ``id % S``, or by range) in a dense NumPy block. A round
-is one message from each worker (its ids, and its rows in a shared segment, or in the message
-with ``--tcp``); the rows' sum is scattered into the block, and each worker gets its rows back
-(gathered into its segment, or in the reply). No protocol, no validation, no deadlines, no
-failure handling, no optimizer: what is left is the NumPy work, one ZeroMQ message each way
-per server, and the processes sharing the cores. kvstore does the same step with all of
-those, so this is about the most it could reach here in Python. ``benchmarks/sparse.py
---mxnet`` (or ``--floor``) prints it beside kvstore and MXNet in the same run.
+Each worker writes its ids and rows into its own shared segment (as kvstore's same-host workers
+do), and each server holds its rows (by hash, ``id % S``, or by range) in a dense NumPy block.
+A round is one small message from each worker to each server and one back. The designs differ
+in how the message travels and how the sums come back:
 
-    python benchmarks/sparse_floor.py                  # W=2 S=2, 100000x64x4096, shared segments
-    python benchmarks/sparse_floor.py --tcp --steps 500
-    python benchmarks/sparse_floor.py --sharding range
+- ``zmq``: ZeroMQ ROUTER/DEALER over TCP, the server gathers the sums back into the worker's
+  segment, rows scattered and gathered by 2-D fancy indexing. kvstore's same-host design.
+- ``zmq-block``: ZeroMQ as above, but each server's block lives in a shared segment and the
+  worker gathers its sums from it itself once the server says the round is done (safe under
+  ``dist_sync``: a block changes only when every worker has pushed again); whole rows are
+  scattered and gathered through a void view (one item per row).
+- ``pipe-block``: as ``zmq-block``, with the messages on named pipes (a 12-byte record): no
+  ZeroMQ I/O threads to wake.
+
+A worker checks its last step's rows against the pushes (every push is ones: a row is how
+many workers pushed it), so a design that skipped work fails rather than looking fast.
+``benchmarks/sparse.py --mxnet`` (or ``--floor``) prints these beside kvstore and MXNet in the
+same run.
+
+    python benchmarks/sparse_floor.py                   # every design, by hash and by range
+    python benchmarks/sparse_floor.py --designs zmq --sharding range --steps 500
 """
 
 from __future__ import annotations
@@ -24,171 +34,208 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import select
+import shutil
 import statistics
+import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvstore.memory import tune_allocator  # noqa: E402
 
-WAIT_MS = 60_000  # a peer that sends nothing for this long has failed: raise, never hang
-SEGMENTS = Path("/dev/shm")
+DESIGNS = ("zmq", "zmq-block", "pipe-block")
+WAIT_S = 60  # a peer silent this long has failed: raise, never hang
+RECORD = struct.Struct("<iii")  # worker, first row in its segment, rows (-1: stop)
+
+
+def unique_ids(ids: np.ndarray) -> np.ndarray:
+    """``np.unique(ids)`` by a sort: the same ids. The anchor's step draws its ids with
+    ``np.unique``, which NumPy 2.3+ does with a hash table, about 230 us for 4,096 ids
+    here against 25 us in MXNet's NumPy 1.23: that alone would be a quarter of the step we
+    measure, and not the parameter server's."""
+    ids = np.sort(ids)
+    return ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids
 
 
 def _edges(rows: int, servers: int) -> np.ndarray:
     return np.array([rows * s // servers for s in range(servers + 1)], np.int64)
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.RCVTIMEO, WAIT_MS)
-    sock.setsockopt(zmq.LINGER, 0)
-    return sock
+def _local_rows(cfg: dict, s: int) -> int:
+    servers = cfg["servers"]
+    if cfg["sharding"] == "hash":  # ids s, s + S, s + 2S, ...
+        return (cfg["rows"] - s + servers - 1) // servers
+    edges = _edges(cfg["rows"], servers)
+    return int(edges[s + 1] - edges[s])
 
 
-def _map(path: Path, nbytes: int, create: bool) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+def _make(path: Path, nbytes: int) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, nbytes)
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _map(path: Path, nbytes: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
         return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
 
 
-def server(s: int, cfg: dict, ports) -> None:
+def _rows_of(seg, dim: int, count: int, offset: int = 0) -> np.ndarray:
+    return np.frombuffer(seg, np.float32, count * dim, offset).reshape(count, dim)
+
+
+def _whole_rows(block: np.ndarray) -> np.ndarray:
+    """One void item per row: a row scattered or gathered as one element."""
+    return block.view(np.dtype((np.void, block.shape[1] * block.itemsize))).reshape(-1)
+
+
+class _Zmq:
+    """ROUTER on each server, a DEALER per server on each worker, over TCP."""
+
+    def __init__(self, cfg: dict, me: str, index: int):
+        import zmq
+
+        self.zmq, self.ctx = zmq, zmq.Context()
+        self.routes: dict[int, bytes] = {}
+        if me == "server":
+            self.sock = self._socket(zmq.ROUTER)
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            (cfg["dir"] / f".port{index}").write_text(str(port))
+            (cfg["dir"] / f".port{index}").rename(cfg["dir"] / f"port{index}")  # whole, at once
+        else:
+            self.socks = []
+            for s in range(cfg["servers"]):
+                path, deadline = cfg["dir"] / f"port{s}", time.monotonic() + WAIT_S
+                while not path.exists():
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"floor server {s} never bound its port")
+                    time.sleep(0.01)
+                sock = self._socket(zmq.DEALER)
+                sock.connect(f"tcp://127.0.0.1:{path.read_text()}")
+                self.socks.append(sock)
+
+    def _socket(self, kind):
+        sock = self.ctx.socket(kind)
+        for option, value in ((self.zmq.RCVTIMEO, WAIT_S * 1000), (self.zmq.LINGER, 0)):
+            sock.setsockopt(option, value)
+        return sock
+
+    def push(self, s: int, record: bytes) -> None:
+        self.socks[s].send(record)
+
+    def wait_servers(self) -> None:
+        for sock in self.socks:
+            sock.recv()
+
+    def pushes(self, count: int) -> list[tuple]:
+        got = []
+        for _ in range(count):
+            route, record = self.sock.recv_multipart()
+            got.append(RECORD.unpack(record))
+            self.routes[got[-1][0]] = route
+        return got
+
+    def done(self, w: int) -> None:
+        self.sock.send_multipart([self.routes[w], b""])
+
+
+class _Pipes:
+    """A named pipe into each server (every worker writes its records there) and one into
+    each worker (a byte per server whose round is done)."""
+
+    def __init__(self, cfg: dict, me: str, index: int):
+        self.cfg = cfg
+        self.mine = os.open(cfg["dir"] / f"{me}{index}.fifo", os.O_RDWR)  # never EOF
+        peers = "worker" if me == "server" else "server"
+        count = cfg["workers"] if me == "server" else cfg["servers"]
+        self.peers = [os.open(cfg["dir"] / f"{peers}{i}.fifo", os.O_RDWR) for i in range(count)]
+
+    def _read(self, nbytes: int) -> bytes:
+        data = b""
+        while len(data) < nbytes:
+            if not select.select([self.mine], [], [], WAIT_S)[0]:
+                raise SystemExit(f"floor: nothing on a pipe for {WAIT_S} s")
+            data += os.read(self.mine, nbytes - len(data))
+        return data
+
+    def push(self, s: int, record: bytes) -> None:
+        os.write(self.peers[s], record)
+
+    def wait_servers(self) -> None:
+        self._read(self.cfg["servers"])
+
+    def pushes(self, count: int) -> list[tuple]:
+        data = self._read(count * RECORD.size)
+        return [RECORD.unpack_from(data, i * RECORD.size) for i in range(count)]
+
+    def done(self, w: int) -> None:
+        os.write(self.peers[w], b"x")
+
+
+def _channel(cfg: dict, me: str, index: int):
+    return (_Pipes if cfg["design"] == "pipe-block" else _Zmq)(cfg, me, index)
+
+
+def server(s: int, cfg: dict) -> None:
     tune_allocator()  # kvstore's processes' allocator settings
-    workers, servers, dim = cfg["workers"], cfg["servers"], cfg["dim"]
-    ctx = zmq.Context()
-    sock = _socket(ctx, zmq.ROUTER)
-    ports.put((s, sock.bind_to_random_port("tcp://127.0.0.1")))
-    edges = _edges(cfg["rows"], servers)  # by range: ids [edges[s], edges[s + 1])
-    by_hash = cfg["sharding"] == "hash"  # by hash: ids s, s + S, s + 2S, ...
-    local = (cfg["rows"] - s + servers - 1) // servers if by_hash else edges[s + 1] - edges[s]
-    block = np.ones((local, dim), np.float32)
+    workers, dim, req = cfg["workers"], cfg["dim"], cfg["req"]
+    # the block designs: the workers read their sums from the block; rows move whole
+    by_hash, shared = cfg["sharding"] == "hash", cfg["design"] != "zmq"
+    local = _local_rows(cfg, s)
+    if shared:  # the workers read their sums from it
+        block = _rows_of(_map(cfg["dir"] / f"block{s}", local * dim * 4), dim, local)
+    else:
+        block = np.empty((local, dim), np.float32)
+    block[:] = 1
+    whole = _whole_rows(block)
     stamp = np.zeros(local, np.int64)  # the round that last wrote each row
-    maps: dict[bytes, np.ndarray] = {}
+    segments = []
+    for w in range(workers):
+        seg = _map(cfg["dir"] / f"worker{w}", req * 8 + req * dim * 4)
+        segments.append((np.frombuffer(seg, np.int64, req), _rows_of(seg, dim, req, req * 8)))
+    base = int(_edges(cfg["rows"], cfg["servers"])[s])
+    chan = _channel(cfg, "server", s)
     round_ = 0
     while True:
-        got = []
-        for _ in range(workers):
-            route, ids_frame, rows_frame = sock.recv_multipart(copy=False)
-            if ids_frame.bytes == b"stop":
-                return
-            ids = np.frombuffer(ids_frame.buffer, np.int64)
-            slots = ids // servers if by_hash else ids - edges[s]
-            if cfg["tcp"]:
-                rows = np.frombuffer(rows_frame.buffer, np.float32).reshape(-1, dim)
-            else:
-                name = rows_frame.bytes
-                if name not in maps:
-                    seg = _map(SEGMENTS / name.decode(), cfg["req"] * dim * 4, create=False)
-                    maps[name] = np.frombuffer(seg, np.float32).reshape(-1, dim)
-                rows = maps[name][: slots.size]
-            got.append((route.bytes, slots, rows))
+        got = chan.pushes(workers)
+        if any(first < 0 for _, first, _ in got):
+            return
         round_ += 1
-        for i, (_, slots, rows) in enumerate(got):  # the round's sum becomes the rows
+        for i, (w, first, count) in enumerate(got):  # the round's sum becomes the rows
+            ids, rows = (a[first : first + count] for a in segments[w])
+            slots = ids // cfg["servers"] if by_hash else ids - base
             again = stamp[slots] == round_ if i else None
             if again is not None and again.any():
                 block[slots[again]] += rows[again]
-                block[slots[~again]] = rows[~again]
+                slots, rows = slots[~again], rows[~again]
+            if shared:
+                whole[slots] = _whole_rows(rows)
             else:
                 block[slots] = rows
             stamp[slots] = round_
-        for route, slots, rows in got:
-            sock.send(route, zmq.SNDMORE)
-            if cfg["tcp"]:
-                sock.send(block[slots], copy=False)
-            else:
-                np.take(block, slots, axis=0, out=rows)  # back into the worker's segment
-                sock.send(b"")
-
-
-def worker(w: int, cfg: dict, ports: dict, barrier, results) -> None:
-    tune_allocator()
-    servers, dim, req = cfg["servers"], cfg["dim"], cfg["req"]
-    ctx = zmq.Context()
-    socks = []
-    for s in range(servers):
-        sock = _socket(ctx, zmq.DEALER)
-        sock.connect(f"tcp://127.0.0.1:{ports[s]}")
-        socks.append(sock)
-    names = [f"kvstore-floor-{os.getpid()}-{s}" for s in range(servers)]
-    segments = []
-    if not cfg["tcp"]:
-        for name in names:
-            segments.append(_map(SEGMENTS / name, req * dim * 4, create=True))
-    edges = _edges(cfg["rows"], servers)
-    by_hash = cfg["sharding"] == "hash"
-    rng = np.random.default_rng(w)
-    vals = np.ones((req, dim), np.float32)
-    out = np.empty((req, dim), np.float32)
-    views = [np.frombuffer(seg, np.float32).reshape(req, dim) for seg in segments]
-
-    def step() -> int:
-        ids = np.unique(rng.integers(0, cfg["rows"], req))
-        if by_hash:  # each server's rows gathered, and scattered back
-            owner = ids % servers
-            parts = [np.flatnonzero(owner == s) for s in range(servers)]
-        else:  # sorted ids: each server's rows are a slice
-            cut = np.searchsorted(ids, edges)
-            parts = [slice(cut[s], cut[s + 1]) for s in range(servers)]
-        sizes = [ids[part].size for part in parts]
-        for s, part in enumerate(parts):
-            socks[s].send(ids[part], zmq.SNDMORE, copy=False)
-            if cfg["tcp"]:
-                socks[s].send(vals[part], copy=False)
-            elif by_hash:
-                np.take(vals, part, axis=0, out=views[s][: sizes[s]])
-                socks[s].send(names[s].encode())
-            else:
-                views[s][: sizes[s]] = vals[part]
-                socks[s].send(names[s].encode())
-        for s, part in enumerate(parts):
-            reply = socks[s].recv(copy=False)
-            if cfg["tcp"]:
-                out[part] = np.frombuffer(reply.buffer, np.float32).reshape(-1, dim)
-            else:
-                out[part] = views[s][: sizes[s]]
-        return ids.size
-
-    runs = []
-    try:
-        for _ in range(2):
-            step()
-    finally:  # every server has mapped its segment by now: the names can go
-        for name in names if segments else ():
-            (SEGMENTS / name).unlink(missing_ok=True)
-    for _ in range(cfg["repeats"]):
-        barrier.wait(WAIT_MS / 1000)
-        t0 = time.perf_counter()
-        n = sum(step() for _ in range(cfg["steps"]))
-        runs.append(n / (time.perf_counter() - t0))
-    _check(w, cfg, out[: step()], 2 + cfg["repeats"] * cfg["steps"] + 1)
-    results.put((w, runs))
-    barrier.wait(WAIT_MS / 1000)
-    if w == 0:
-        for sock in socks:
-            sock.send_multipart([b"stop", b""])
-    views.clear()  # no array still points into a segment it closes
-    for seg in segments:
-        seg.close()
-    for sock in socks:
-        sock.close()
-    ctx.term()
+        for w, first, count in got:
+            if not shared:  # the sums back into the worker's segment
+                ids, rows = (a[first : first + count] for a in segments[w])
+                slots = ids // cfg["servers"] if by_hash else ids - base
+                np.take(block, slots, axis=0, out=rows, mode="clip")
+            chan.done(w)
 
 
 def _draws(rank: int, cfg: dict, step: int) -> np.ndarray:
     """The ids worker ``rank`` pushes at its ``step``-th step (1 is the first)."""
     rng = np.random.default_rng(rank)
     for _ in range(step):
-        ids = np.unique(rng.integers(0, cfg["rows"], cfg["req"]))
+        ids = unique_ids(rng.integers(0, cfg["rows"], cfg["req"]))
     return ids
 
 
@@ -200,42 +247,118 @@ def _check(w: int, cfg: dict, pulled: np.ndarray, step: int) -> None:
         raise SystemExit(f"floor worker {w}: a row pulled back is not the sum of its pushes")
 
 
+def worker(w: int, cfg: dict, barrier, results) -> None:
+    tune_allocator()
+    servers, dim, req = cfg["servers"], cfg["dim"], cfg["req"]
+    by_hash, shared = cfg["sharding"] == "hash", cfg["design"] != "zmq"
+    edges = _edges(cfg["rows"], servers)
+    seg = _map(cfg["dir"] / f"worker{w}", req * 8 + req * dim * 4)
+    seg_ids, seg_rows = np.frombuffer(seg, np.int64, req), _rows_of(seg, dim, req, req * 8)
+    blocks = []
+    for s in range(servers) if shared else ():
+        local = _local_rows(cfg, s)
+        block = _map(cfg["dir"] / f"block{s}", local * dim * 4)
+        blocks.append(_whole_rows(_rows_of(block, dim, local)))
+    chan = _channel(cfg, "worker", w)
+    rng = np.random.default_rng(w)
+    vals = np.ones((req, dim), np.float32)
+    out = np.empty((req, dim), np.float32)
+    out_whole, seg_whole, vals_whole = _whole_rows(out), _whole_rows(seg_rows), _whole_rows(vals)
+
+    def step() -> int:
+        ids = unique_ids(rng.integers(0, cfg["rows"], req))
+        if by_hash:  # each server's ids and rows gathered into the segment, one after another
+            owner = ids % servers
+            parts = [np.flatnonzero(owner == s) for s in range(servers)]
+            firsts = np.cumsum([0] + [p.size for p in parts])
+            for s, part in enumerate(parts):
+                at = slice(firsts[s], firsts[s + 1])
+                np.take(ids, part, out=seg_ids[at], mode="clip")
+                if shared:
+                    np.take(vals_whole, part, out=seg_whole[at], mode="clip")
+                else:
+                    np.take(vals, part, axis=0, out=seg_rows[at], mode="clip")
+                chan.push(s, RECORD.pack(w, firsts[s], part.size))
+        else:  # sorted ids: each server's rows are a slice
+            firsts = np.searchsorted(ids, edges)
+            parts = [slice(firsts[s], firsts[s + 1]) for s in range(servers)]
+            seg_ids[: ids.size] = ids
+            seg_rows[: ids.size] = vals[: ids.size]
+            for s in range(servers):
+                chan.push(s, RECORD.pack(w, firsts[s], firsts[s + 1] - firsts[s]))
+        chan.wait_servers()
+        for s, part in enumerate(parts):
+            at = slice(firsts[s], firsts[s + 1])
+            if shared:  # gathered from the server's block
+                slots = seg_ids[at] // servers if by_hash else seg_ids[at] - edges[s]
+                if by_hash:
+                    out_whole[part] = np.take(blocks[s], slots, mode="clip")
+                else:
+                    np.take(blocks[s], slots, out=out_whole[part], mode="clip")
+            else:  # the server put them in the segment
+                out[part] = seg_rows[at]
+        return ids.size
+
+    runs = []
+    for _ in range(2):
+        step()
+    for _ in range(cfg["repeats"]):
+        barrier.wait(WAIT_S)
+        t0 = time.perf_counter()
+        n = sum(step() for _ in range(cfg["steps"]))
+        runs.append(n / (time.perf_counter() - t0))
+    _check(w, cfg, out[: step()], 2 + cfg["repeats"] * cfg["steps"] + 1)
+    results.put((w, runs))
+    barrier.wait(WAIT_S)
+    if w == 0:
+        for s in range(servers):
+            for who in range(cfg["workers"]):  # every record a server waits for
+                chan.push(s, RECORD.pack(who, -1, 0))
+
+
 def run(
     workers: int = 2,
     servers: int = 2,
     anchor: str = "100000x64x4096",
     steps: int = 300,
     repeats: int = 3,
-    tcp: bool = False,
+    design: str = "zmq",
     sharding: str = "hash",
     timeout: float = 600,
 ) -> list[float]:
     """Rows per second per worker (the mean over workers), one per repeat."""
+    if design not in DESIGNS:
+        raise ValueError(f"design {design!r}: expected one of {', '.join(DESIGNS)}")
     rows, dim, req = (int(x) for x in anchor.lower().split("x"))
+    where = Path(tempfile.mkdtemp(prefix="kvstore-floor-", dir="/dev/shm"))  # 0700, ours
     cfg = dict(
         workers=workers, servers=servers, rows=rows, dim=dim, req=req, steps=steps,
-        repeats=repeats, tcp=tcp, sharding=sharding,
+        repeats=repeats, design=design, sharding=sharding, dir=where,
     )  # fmt: skip
     ctx = mp.get_context("spawn")
-    ports, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(workers)
-    procs = [ctx.Process(target=server, args=(s, cfg, ports)) for s in range(servers)]
+    results, barrier, procs = ctx.Queue(), ctx.Barrier(workers), []
     try:
-        for p in procs:
-            p.start()
-        where = dict(ports.get(timeout=60) for _ in range(servers))
+        for w in range(workers):
+            _make(where / f"worker{w}", req * 8 + req * dim * 4)
+        for s in range(servers) if design != "zmq" else ():
+            _make(where / f"block{s}", _local_rows(cfg, s) * dim * 4)
+        if design == "pipe-block":
+            names = [f"server{s}" for s in range(servers)] + [f"worker{w}" for w in range(workers)]
+            for name in names:
+                os.mkfifo(where / f"{name}.fifo", 0o600)
+        procs = [ctx.Process(target=server, args=(s, cfg)) for s in range(servers)]
         procs += [
-            ctx.Process(target=worker, args=(w, cfg, where, barrier, results))
-            for w in range(workers)
+            ctx.Process(target=worker, args=(w, cfg, barrier, results)) for w in range(workers)
         ]
-        for p in procs[servers:]:
+        for p in procs:
             p.start()
         per_worker, deadline = [], time.monotonic() + timeout
         while len(per_worker) < workers:  # a process that failed ends the run at once
             failed = [p.exitcode for p in procs if p.exitcode]
             if failed:
-                raise SystemExit(f"the floor failed: its processes ended {failed}")
+                raise SystemExit(f"the floor ({design}) failed: its processes ended {failed}")
             if time.monotonic() > deadline:
-                raise SystemExit(f"the floor took more than {timeout} s")
+                raise SystemExit(f"the floor ({design}) took more than {timeout} s")
             try:
                 per_worker.append(results.get(timeout=1)[1])
             except queue.Empty:
@@ -243,12 +366,13 @@ def run(
         for p in procs:
             p.join(30)
             if p.exitcode:
-                raise SystemExit(f"a floor process failed ({p.exitcode})")
+                raise SystemExit(f"a floor process ({design}) failed ({p.exitcode})")
     finally:
         for p in procs:  # by PID, whatever happened
             if p.is_alive():
                 p.kill()
                 p.join(10)
+        shutil.rmtree(where, ignore_errors=True)
     return [statistics.fmean(r[i] for r in per_worker) for i in range(repeats)]
 
 
@@ -259,26 +383,29 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor", default="100000x64x4096", help="ROWSxDIMxREQ")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tcp", action="store_true", help="rows in the messages, not in segments")
-    ap.add_argument("--sharding", default="hash", choices=["hash", "range"])
+    ap.add_argument("--designs", default=",".join(DESIGNS))
+    ap.add_argument("--sharding", default="hash,range")
     args = ap.parse_args(argv)
-    runs = run(
-        args.workers, args.servers, args.anchor, args.steps, args.repeats, args.tcp, args.sharding
-    )
-    print(
-        json.dumps(
-            {
-                "op": "anchor",
-                "config": "floor tcp" if args.tcp else "floor",
-                "size": args.anchor,
-                "sharding": args.sharding,
-                "median": statistics.median(runs),
-                "min": min(runs),
-                "max": max(runs),
-                "runs": runs,
-            }
-        )
-    )
+    for design in args.designs.split(","):
+        for sharding in args.sharding.split(","):
+            runs = run(
+                args.workers, args.servers, args.anchor, args.steps, args.repeats, design,
+                sharding,
+            )  # fmt: skip
+            stats = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
+            print(
+                json.dumps(
+                    {
+                        "op": "anchor",
+                        "config": f"floor {design}",
+                        "size": args.anchor,
+                        "sharding": sharding,
+                        **stats,
+                        "runs": runs,
+                    }
+                ),  # fmt: skip
+                flush=True,
+            )
     return 0
 
 

@@ -179,7 +179,7 @@ def test_sparse_benchmark_smoke():
 
 
 def test_sparse_benchmark_floor_smoke():
-    """--floor: the anchor step beside the Python floor (sparse_floor.py) in the same run."""
+    """--floor: the anchor step beside each bare design (sparse_floor.py), in the same run."""
     done = subprocess.run(
         [
             sys.executable,
@@ -194,13 +194,35 @@ def test_sparse_benchmark_floor_smoke():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    floor = {r["sharding"]: r for r in rows if r["config"] == "floor"}
-    assert sorted(floor) == ["hash", "range"], rows
+    floor = {(r["config"], r["sharding"]): r for r in rows if r["config"].startswith("floor")}
+    designs = ("zmq", "zmq-block", "pipe-block")
+    assert sorted(floor) == sorted((f"floor {d}", s) for d in designs for s in ("hash", "range"))
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in floor.values()), rows
     anchors = {(r["op"], r["sharding"]) for r in rows if r["config"] == "kvstore"}
     assert anchors == {(op, s) for op in ("anchor", "anchor pushpull") for s in ("hash", "range")}
-    assert done.stdout.count("of the floor") == 4, done.stdout
-    assert not [p for p in Path("/dev/shm").glob("kvstore-floor-*")]  # its segments are gone
+    assert done.stdout.count("% of pipe-block") == 4, done.stdout
+    assert not [p for p in Path("/dev/shm").glob("kvstore-floor-*")]  # its files are gone
+
+
+@pytest.mark.parametrize("design", ["zmq", "zmq-block", "pipe-block"])
+def test_sparse_floor_refuses_a_wrong_sum(design, tmp_path):
+    """Each floor design checks its rows against the pushes: a server that drops the second
+    push of a row makes the run fail, so no design can look fast by skipping work."""
+    source = (ROOT / "benchmarks" / "sparse_floor.py").read_text()
+    right = "block[slots[again]] += rows[again]"
+    assert source.count(right) == 1
+    broken = tmp_path / "sparse_floor.py"
+    broken.write_text(source.replace(right, "block[slots[again]] = rows[again]"))
+    (tmp_path / "kvstore").symlink_to(ROOT / "kvstore")
+    done = subprocess.run(
+        [sys.executable, str(broken), "--steps", "10", "--repeats", "1", "--designs", design],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0
+    assert "not the sum of its pushes" in done.stderr, done.stderr
 
 
 def test_sum_order_smoke():
