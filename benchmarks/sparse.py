@@ -47,7 +47,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparse_floor  # noqa: E402
 from pushpull import SECURITY, free_port  # noqa: E402
-from sparse_floor import unique_ids  # noqa: E402
 from zmq_bound import EchoServer, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,13 +109,13 @@ def worker_main(args) -> int:
             )
 
             def anchor_step(key=key):  # MXNet's: a push, then a row_sparse_pull of the same rows
-                ids = unique_ids(rng.integers(0, rows, req))
+                ids = sparse_floor.unique_ids(rng.integers(0, rows, req))
                 kv.push(key, RowSparse(ids, vals[: ids.size], shape))
                 kv.row_sparse_pull(key, out=out, row_ids=ids)
                 return ids.size
 
             def anchor_pushpull(key=key):  # the same work in one call (one message per server)
-                ids = unique_ids(rng.integers(0, rows, req))
+                ids = sparse_floor.unique_ids(rng.integers(0, rows, req))
                 kv.pushpull(key, RowSparse(ids, vals[: ids.size], shape), out=out)
                 return ids.size
 
@@ -156,7 +155,7 @@ def memory_worker(args) -> int:
     kv.init("emb", RowSparse.empty(shape, np.float32, init=uniform(-0.1, 0.1, seed=1)))
     if args.momentum:
         kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1, momentum=0.9))
-    ids = unique_ids(np.random.default_rng(0).integers(0, shape[0], args.touched))
+    ids = sparse_floor.unique_ids(np.random.default_rng(0).integers(0, shape[0], args.touched))
     rows = np.ones((4096, shape[1]), np.float32)
     for lo in range(0, ids.size, 4096):
         chunk = ids[lo : lo + 4096]
@@ -402,18 +401,19 @@ def floor_rows(args) -> list[dict]:
     """The anchor's step done by bare designs with nothing but NumPy and one small message each
     way per server (``sparse_floor.py``), rows by hash and by range: how fast a Python
     parameter server can be here, and what each design choice is worth."""
-    rows = []
-    for design, sharding in itertools.product(sparse_floor.DESIGNS, ("hash", "range")):
-        runs = sparse_floor.run(
-            args.workers, args.servers, args.anchor, args.anchor_steps, args.anchor_repeats,
-            design, sharding, timeout=args.timeout,
+    return [
+        sparse_floor.run(
+            args.workers,
+            args.servers,
+            args.anchor,
+            args.anchor_steps,
+            args.anchor_repeats,
+            design,
+            sharding,
+            timeout=args.timeout,
         )  # fmt: skip
-        stats = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
-        rows.append(
-            {"op": "anchor", "config": f"floor {design}", "size": args.anchor,
-             "sharding": sharding, **stats, "runs": runs}
-        )  # fmt: skip
-    return rows
+        for design, sharding in itertools.product(sparse_floor.DESIGNS, ("hash", "range"))
+    ]
 
 
 def run_mxnet(args) -> list[dict]:
@@ -474,7 +474,11 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-steps", type=int, default=50)
     ap.add_argument("--anchor-repeats", type=int, default=3)
     ap.add_argument("--mxnet", default="", help="a Python with MXNet 1.9.1: run its anchor too")
-    ap.add_argument("--floor", action="store_true", help="the anchor beside the Python floor")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="kvstore's anchor beside sparse_floor.py's bare designs (--mxnet runs them too)",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--job-memory", action="store_true", help="a whole job's RSS, 10^6 rows")
     ap.add_argument("--touched", type=int, default=10**6, help=argparse.SUPPRESS)

@@ -178,8 +178,14 @@ def test_sparse_benchmark_smoke():
     assert "vs zmq" in done.stdout
 
 
+def _floor_dirs() -> set:
+    return set(Path("/dev/shm").glob("kvstore-floor-*"))
+
+
+@pytest.mark.timeout(300)
 def test_sparse_benchmark_floor_smoke():
     """--floor: the anchor step beside each bare design (sparse_floor.py), in the same run."""
+    before = _floor_dirs()
     done = subprocess.run(
         [
             sys.executable,
@@ -189,36 +195,50 @@ def test_sparse_benchmark_floor_smoke():
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=280,
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     floor = {(r["config"], r["sharding"]): r for r in rows if r["config"].startswith("floor")}
-    designs = ("zmq", "zmq-block", "pipe-block")
+    designs = ("zmq", "zmq-whole", "zmq-block", "pipe-block")
     assert sorted(floor) == sorted((f"floor {d}", s) for d in designs for s in ("hash", "range"))
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in floor.values()), rows
     anchors = {(r["op"], r["sharding"]) for r in rows if r["config"] == "kvstore"}
     assert anchors == {(op, s) for op in ("anchor", "anchor pushpull") for s in ("hash", "range")}
     assert done.stdout.count("% of pipe-block") == 4, done.stdout
-    assert not [p for p in Path("/dev/shm").glob("kvstore-floor-*")]  # its files are gone
+    assert _floor_dirs() <= before  # its segments and pipes are gone
 
 
-@pytest.mark.parametrize("design", ["zmq", "zmq-block", "pipe-block"])
-def test_sparse_floor_refuses_a_wrong_sum(design, tmp_path):
-    """Each floor design checks its rows against the pushes: a server that drops the second
-    push of a row makes the run fail, so no design can look fast by skipping work."""
+# (design, a line of sparse_floor.py, what breaks it): a second push of a row not added, for
+# every design; and one step of each design's own way back dropped
+BREAKS = [
+    (design, "block[slots[again]] += rows[again]", "block[slots[again]] = rows[again]")
+    for design in ("zmq", "zmq-whole", "zmq-block", "pipe-block")
+] + [
+    # the server's gather back into the worker's segment
+    ("zmq", "take(block, slots, axis=0, out=rows,", "take(block, slots[:0], axis=0, out=rows[:0],"),
+    ("zmq-whole", "slots, out=_whole_rows(rows),", "slots[:0], out=_whole_rows(rows)[:0],"),
+    # the worker's gather from the server's block
+    ("zmq-block", "out=out_whole[part], mode=", "out=seg_whole[part], mode="),
+]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("design", "right", "wrong"), BREAKS)
+def test_sparse_floor_refuses_a_wrong_sum(design, right, wrong, tmp_path):
+    """Each floor design checks its rows against the pushes: a design that skips part of the
+    step fails, so none can look fast by doing less."""
     source = (ROOT / "benchmarks" / "sparse_floor.py").read_text()
-    right = "block[slots[again]] += rows[again]"
-    assert source.count(right) == 1
+    assert source.count(right) == 1, right
     broken = tmp_path / "sparse_floor.py"
-    broken.write_text(source.replace(right, "block[slots[again]] = rows[again]"))
+    broken.write_text(source.replace(right, wrong))
     (tmp_path / "kvstore").symlink_to(ROOT / "kvstore")
     done = subprocess.run(
         [sys.executable, str(broken), "--steps", "10", "--repeats", "1", "--designs", design],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         cwd=tmp_path,
     )
     assert done.returncode != 0
