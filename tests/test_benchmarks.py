@@ -11,32 +11,28 @@ import pytest
 from .cluster import ROOT
 
 
-def test_pushpull_benchmark_smoke():
+def run_benchmark(script: str, *args: str, timeout: float) -> tuple[str, list[dict]]:
+    """Run ``benchmarks/<script>`` with ``args`` from the repository root: what it printed and
+    the JSON rows among it. The test fails, with its output, when it does not exit 0."""
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "pushpull.py"),
-            "-w",
-            "2",
-            "-s",
-            "1",
-            "--sizes",
-            "4K,256K",
-            "--keys",
-            "20",
-            "--reps",
-            "3",
-            "--budget",
-            "0.5",
-            "--no-gloo",
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.stdout, rows
+
+
+def test_pushpull_benchmark_smoke():
+    stdout, rows = run_benchmark(
+        "pushpull.py",
+        *("-w", "2", "-s", "1", "--sizes", "4K,256K", "--keys", "20", "--reps", "3"),
+        *("--budget", "0.5", "--no-gloo"),
+        timeout=240,
+    )
     seen = {(r["config"], r["size"]) for r in rows}
     for config in ("zmq", "kvstore dist_sync", "kvstore dist_async", "kvstore dist_sync 2bit"):
         for size in ("4K", "256K", "20x1K"):
@@ -45,7 +41,7 @@ def test_pushpull_benchmark_smoke():
     for r in rows:  # the unit the size implies, a positive rate, as many samples as asked
         assert r["unit"] == ("steps/s" if "x" in r["size"] else "B/s"), r
         assert r["median"] > 0 and 1 <= r["n"] <= 3 or r["config"].startswith("numpy"), r
-    table = done.stdout.split("vs zmq", 1)[1]
+    table = stdout.split("vs zmq", 1)[1]
     for config in ("kvstore dist_sync", "kvstore dist_async"):  # a ratio to the bound per row
         ratios = [line.split()[-1] for line in table.splitlines() if line.split("  ")[0] == config]
         assert len(ratios) == 3 and all(x.endswith("%") and float(x[:-1]) > 0 for x in ratios)
@@ -65,21 +61,13 @@ def mxnet_python() -> str:
 def test_pushpull_benchmark_beside_mxnet_smoke():
     """--mxnet: MXNet's ps-lite rows and the paired kvstore/MXNet ratios, per size."""
     python = mxnet_python()
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "pushpull.py"),
-            *("-w", "2", "-s", "1", "--sizes", "4K,256K", "--keys", "20", "--reps", "3"),
-            *("--budget", "0.5", "--modes", "dist_sync", "--no-gloo", "--no-compression"),
-            *("--mxnet", python, "--repeats", "2", "--timeout", "120"),
-        ],
-        capture_output=True,
-        text=True,
+    stdout, rows = run_benchmark(
+        "pushpull.py",
+        *("-w", "2", "-s", "1", "--sizes", "4K,256K", "--keys", "20", "--reps", "3"),
+        *("--budget", "0.5", "--modes", "dist_sync", "--no-gloo", "--no-compression"),
+        *("--mxnet", python, "--repeats", "2", "--timeout", "120"),
         timeout=280,
-        cwd=ROOT,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     by = {(r["config"], r["size"]): r for r in rows}
     for size in ("4K", "256K", "20x1K"):
         for config in ("kvstore dist_sync", "mxnet dist_sync"):  # one row over both rounds
@@ -89,57 +77,27 @@ def test_pushpull_benchmark_beside_mxnet_smoke():
         ratio = by[("kvstore/mxnet dist_sync", size)]
         assert ratio["unit"] == "ratio" and len(ratio["pairs"]) == 2, ratio
         assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"], ratio
-    table = done.stdout.split("vs zmq", 1)[1]
+    table = stdout.split("vs zmq", 1)[1]
     ratios = [line.split() for line in table.splitlines() if line.startswith("kvstore/mxnet")]
     assert len(ratios) == 3 and all(cell.endswith("x") for line in ratios for cell in line[3:])
 
 
 def test_zmq_bound_smoke():
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "zmq_bound.py"),
-            "--sizes",
-            "4K",
-            "--reps",
-            "3",
-            "--budget",
-            "0.5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+    stdout, _ = run_benchmark(
+        "zmq_bound.py", "--sizes", "4K", "--reps", "3", "--budget", "0.5", timeout=120
     )
-    assert done.returncode == 0, done.stderr
-    assert "zmq" in done.stdout and "numpy add" in done.stdout
+    assert "zmq" in stdout and "numpy add" in stdout
 
 
 def test_simulated_network_benchmark_smoke():
     """Two namespaces and a shaped link, made and removed by the benchmark (root only)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "netsim.py"),
-            "--rates",
-            "1gbit",
-            "--sizes",
-            "256K",
-            "--reps",
-            "3",
-            "--budget",
-            "1",
-            "--no-gloo",
-        ],
-        capture_output=True,
-        text=True,
+    stdout, rows = run_benchmark(
+        "netsim.py",
+        *("--rates", "1gbit", "--sizes", "256K", "--reps", "3", "--budget", "1", "--no-gloo"),
         timeout=240,
-        cwd=ROOT,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    if "skipped" in done.stdout:
-        pytest.skip(done.stdout.strip())
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if "skipped" in stdout:
+        pytest.skip(stdout.strip())
     configs = {r["config"] for r in rows}
     for config in ("kvstore dist_sync", "kvstore dist_sync 2bit", "kvstore dist_sync 1bit"):
         assert f"1gbit {config}" in configs, configs
@@ -149,33 +107,17 @@ def test_simulated_network_benchmark_smoke():
 
 
 def test_sparse_benchmark_smoke():
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "sparse.py"),
-            "--dims",
-            "16",
-            "--reqs",
-            "1K",
-            "--reps",
-            "2",
-            "--rows",
-            "100000",
-            "--no-memory",
-        ],
-        capture_output=True,
-        text=True,
+    stdout, rows = run_benchmark(
+        "sparse.py",
+        *("--dims", "16", "--reqs", "1K", "--reps", "2", "--rows", "100000", "--no-memory"),
         timeout=240,
-        cwd=ROOT,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     seen = {(r["config"], r["op"]) for r in rows}
     for op in ("push", "pull", "step", "pushpull"):
         assert ("kvstore", op) in seen, seen
     assert ("zmq", "step") in seen
     assert all(r["median"] > 0 for r in rows)
-    assert "vs zmq" in done.stdout
+    assert "vs zmq" in stdout
 
 
 def _floor_dirs() -> set:
@@ -186,27 +128,19 @@ def _floor_dirs() -> set:
 def test_sparse_benchmark_floor_smoke():
     """--floor: the anchor step beside each bare design (sparse_floor.py), in the same run."""
     before = _floor_dirs()
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "sparse.py"),
-            *("--dims", "", "--no-memory", "--floor", "--anchor", "2000x16x256"),
-            *("--anchor-steps", "20", "--anchor-repeats", "2"),
-        ],
-        capture_output=True,
-        text=True,
+    stdout, rows = run_benchmark(
+        "sparse.py",
+        *("--dims", "", "--no-memory", "--floor", "--anchor", "2000x16x256"),
+        *("--anchor-steps", "20", "--anchor-repeats", "2"),
         timeout=280,
-        cwd=ROOT,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     floor = {(r["config"], r["sharding"]): r for r in rows if r["config"].startswith("floor")}
     designs = ("zmq", "zmq-whole", "zmq-block", "pipe-block")
     assert sorted(floor) == sorted((f"floor {d}", s) for d in designs for s in ("hash", "range"))
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in floor.values()), rows
     anchors = {(r["op"], r["sharding"]) for r in rows if r["config"] == "kvstore"}
     assert anchors == {(op, s) for op in ("anchor", "anchor pushpull") for s in ("hash", "range")}
-    assert done.stdout.count("% of pipe-block") == 4, done.stdout
+    assert stdout.count("% of pipe-block") == 4, stdout
     assert _floor_dirs() <= before  # its segments and pipes are gone
 
 
@@ -246,38 +180,19 @@ def test_sparse_floor_refuses_a_wrong_sum(design, right, wrong, tmp_path):
 
 
 def test_sum_order_smoke():
-    script = str(ROOT / "benchmarks" / "sum_order.py")
-    done = subprocess.run(
-        [sys.executable, script, "-w", "1,3", "--sizes", "4K", "--budget", "0.1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+    stdout, _ = run_benchmark(
+        "sum_order.py", "-w", "1,3", "--sizes", "4K", "--budget", "0.1", timeout=120
     )
-    assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines()[1:]]
-    assert [(r[0], r[1]) for r in rows] == [("1", "4K"), ("3", "4K")], done.stdout
+    rows = [line.split() for line in stdout.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "4K"), ("3", "4K")], stdout
+    script = str(ROOT / "benchmarks" / "sum_order.py")
     one = subprocess.run(
         [sys.executable, script, "--mode", "on", "--rounds", "3", "-w", "5"], timeout=120, cwd=ROOT
     )
     assert one.returncode == 0
-    half = subprocess.run(
-        [
-            sys.executable,
-            script,
-            "-w",
-            "2",
-            "--sizes",
-            "4M",
-            "--budget",
-            "0.1",
-            "--dtype",
-            "float16",
-        ],
-        capture_output=True,
-        text=True,
+    stdout, _ = run_benchmark(
+        "sum_order.py",
+        *("-w", "2", "--sizes", "4M", "--budget", "0.1", "--dtype", "float16"),
         timeout=120,
-        cwd=ROOT,
     )
-    assert half.returncode == 0, half.stderr
-    assert [r.split()[:2] for r in half.stdout.splitlines()[1:]] == [["2", "4M"]], half.stdout
+    assert [r.split()[:2] for r in stdout.splitlines()[1:]] == [["2", "4M"]], stdout
