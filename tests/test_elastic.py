@@ -739,6 +739,49 @@ def test_host_discovery_script_gains_and_loses_a_host(sshd, tmp_path):
     assert steps == list(range(300)), steps
 
 
+def test_host_discovery_leaves_a_finished_workers_slot_empty(sshd, tmp_path):
+    """With --host-discovery-script, worker 0 finishes (closes its store, exits 0) while
+    worker 1 trains on: the launcher's next looks at the hosts start nobody in slot 0. It
+    used to start a new worker 0 there, which joined mid-job, or came after the job ended,
+    was stopped, and made the job fail ("every worker's last process failed", status 255)."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("127.0.0.1:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {listed}\n")
+    discover.chmod(0o755)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time\n"
+        "import numpy as np\n"
+        "import kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(1, np.float32))\n"
+        "if getattr(kv, '_late', False):\n"
+        "    print('late', flush=True)\n"
+        "out = np.zeros(1, np.float32)\n"
+        "for step in range(5 if kv._rank == 0 else 100):  # worker 1: 5 s, two looks or more\n"
+        "    kv.pushpull('w', np.ones(1, np.float32), out=out)\n"
+        "    time.sleep(0.05)\n"
+        "kv.close()\n"
+        "print('finished', flush=True)\n"
+    )
+    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "-n", "1:2", "-s", "1", "--timeout", "100"]
+        + ["--host-discovery-script", str(discover), *sshd.ssh_options()]
+        + [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert out.count("started worker 0 ") == 1 and "late" not in out, out
+    assert "[worker 0] finished" in out and "[worker 1] finished" in out, out
+
+
 def test_a_worker_of_another_store_type_is_refused_at_once(tmp_path):
     """Two workers, one creating dist_sync and one dist_async: the one that registers second
     is refused by the scheduler with what to do, instead of rounds that follow two rules."""

@@ -256,7 +256,8 @@ class Supervisor:
         if [h.name for h in hosts] != [h.name for h in self._hosts]:
             self.say(f"hosts now: {', '.join(f'{h.name}:{h.slots}' for h in hosts) or 'none'}")
         self._hosts = hosts
-        running = [p for p in self._latest_workers() if p.popen.poll() is None]
+        latest = self._latest_workers()
+        running = [p for p in latest if p.popen.poll() is None]
         for proc in running:
             if proc.where not in names:
                 self.say(f"host {proc.where} left: stopping {proc.name}")
@@ -265,8 +266,11 @@ class Supervisor:
         for proc in running:
             if not proc.retired:
                 used[proc.where] = used.get(proc.where, 0) + 1
-        taken = {p.name for p in running if not p.retired}
-        free = [r for r in range(slots) if f"worker {r}" not in taken]
+        # a slot whose worker finished (exited 0) stays its: a new worker there would join
+        # mid-job, or come after the job ended and fail it (the launcher stops it)
+        finished = {p.name for p in latest if p.popen.poll() == 0 and not p.retired}
+        taken = {p.name for p in running if not p.retired} | finished
+        free = [] if self._job_done() else [r for r in range(slots) if f"worker {r}" not in taken]
         for host in hosts:
             if self._cooling.get(host.name, 0) > now:
                 continue
