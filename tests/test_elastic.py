@@ -756,8 +756,6 @@ def test_host_discovery_leaves_a_finished_workers_slot_empty(sshd, tmp_path):
         "import kvstore\n"
         "kv = kvstore.create('dist_sync')\n"
         "kv.init('w', np.zeros(1, np.float32))\n"
-        "if getattr(kv, '_late', False):\n"
-        "    print('late', flush=True)\n"
         "out = np.zeros(1, np.float32)\n"
         "for step in range(5 if kv._rank == 0 else 100):  # worker 1: 5 s, two looks or more\n"
         "    kv.pushpull('w', np.ones(1, np.float32), out=out)\n"
@@ -778,7 +776,8 @@ def test_host_discovery_leaves_a_finished_workers_slot_empty(sshd, tmp_path):
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert out.count("started worker 0 ") == 1 and "late" not in out, out
+    # (not "late" in out: two workers that register over a second apart make one late)
+    assert out.count("started worker 0 ") == 1, out
     assert "[worker 0] finished" in out and "[worker 1] finished" in out, out
 
 
