@@ -588,13 +588,13 @@ def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
     assert out.count("launch: started worker 1 ") == 2, out
 
 
-def _run_elastic(tmp_path, script, workers: str) -> tuple[int, str]:
-    """Run ``script`` in an elastic job (``-n workers``, one server) to its end (a 100 s
-    deadline): its exit status and all it printed."""
+def _run_elastic(tmp_path, script, workers: str, options=()) -> tuple[int, str]:
+    """Run ``script`` in an elastic job (``-n workers``, one server, the launcher's
+    ``options``) to its end (a 100 s deadline): its exit status and all it printed."""
     env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "-n", workers, "-s", "1", "--timeout", "100"]
-        + [sys.executable, str(script)],
+        + [*options, sys.executable, str(script)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -763,19 +763,9 @@ def test_host_discovery_leaves_a_finished_workers_slot_empty(sshd, tmp_path):
         "kv.close()\n"
         "print('finished', flush=True)\n"
     )
-    env = dict(os.environ, KVSTORE_HEARTBEAT_TIMEOUT="2", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), "-n", "1:2", "-s", "1", "--timeout", "100"]
-        + ["--host-discovery-script", str(discover), *sshd.ssh_options()]
-        + [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out
+    options = ["--host-discovery-script", str(discover), *sshd.ssh_options()]
+    code, out = _run_elastic(tmp_path, script, "1:2", options)
+    assert code == 0, out
     # (not "late" in out: two workers that register over a second apart make one late)
     assert out.count("started worker 0 ") == 1, out
     assert "[worker 0] finished" in out and "[worker 1] finished" in out, out
