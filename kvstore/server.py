@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import mmap
 import re
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from . import auth, metrics, shm, transport
+from . import auth, channel, metrics, shm, transport
 from . import optimizer as opt
 from .compression import Compression, PullCodes, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
@@ -36,7 +37,15 @@ from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
 from .half import add
 from .memory import trim, tune_allocator
-from .protocol import Message, ProtocolError, decode, error_reply, internal, request_id
+from .protocol import (
+    Message,
+    ProtocolError,
+    decode,
+    encode_frames,
+    error_reply,
+    internal,
+    request_id,
+)
 from .replication import Backup, Primary
 from .rounds import Apply, Fail, Reply, Rounds
 from .sharding import acting, row_server
@@ -156,6 +165,14 @@ class Server:
         self._roots: dict[tuple, int] = {}  # root-only keys (see root_only) -> their root
         self._proved: dict[int, str] = {}  # rank -> the connection that proved its token
         self._connection: tuple = ("", None)  # (User-Id, first frame) of the message in hand
+        # same-host workers' channels (kvstore.channel): the listener, by file descriptor
+        # every connection, by routing identity the proved ones, by rank the secrets a hello
+        # gave (valid once the connection proved its token) and those now valid
+        self._listener: channel.Listener | None = None
+        self._channels: dict[int, channel.Channel] = {}
+        self._channel_of: dict[bytes, channel.Channel] = {}
+        self._offered: dict[int, tuple] = {}  # rank -> (connection, secret)
+        self._secrets: dict[int, str] = {}  # rank -> a secret its channel may prove, once
         self.handlers = {
             "init": self._on_init,
             "push": self._on_push,
@@ -233,6 +250,13 @@ class Server:
         log.info("%s ready for %d workers", self.name, self.num_workers)
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.control.pipe, zmq.POLLIN)
+        self._poller = poller
+        if self.cfg.shm and self.cfg.channel and shm.available():
+            try:
+                self._listener = channel.Listener()
+                poller.register(self._listener.fd, zmq.POLLIN)
+            except OSError as exc:  # workers on this host use TCP
+                log.info("%s: no same-host channel (%s)", self.name, exc)
         if self.gate is not None:
             poller.register(self.gate.sock, zmq.POLLIN)
             poller.register(self.gate.watch(self.sock), zmq.POLLIN)
@@ -255,6 +279,8 @@ class Server:
                     except zmq.Again:
                         break
                     self._handle(identity.bytes, frames)
+            if self._listener is not None:
+                self._serve_channels(events)
             for backup, peer in list(self._peers.items()):
                 if peer in events:
                     self._on_peer_reply(backup, peer)
@@ -273,6 +299,10 @@ class Server:
     def close(self) -> None:
         for segment in self._segments.values():
             segment.close()
+        for chan in self._channels.values():
+            chan.close()
+        if self._listener is not None:
+            self._listener.close()
         for peer in self._peers.values():
             peer.close(linger=0)
         self.control.close(finalize=False)
@@ -312,8 +342,8 @@ class Server:
             f" (worker {left} left: {body.get('why', '')})" if left is not None else "",
         )
         deferred, self._deferred = self._deferred, []  # a newcomer's requests that waited
-        for identity, frames in deferred:
-            self._handle(identity, frames)
+        for identity, frames, via in deferred:
+            self._handle(identity, frames, via)
 
     def _on_worker_done(self, msg: Message) -> None:
         self._execute(self.rounds.finished(msg.body["rank"]))
@@ -378,6 +408,10 @@ class Server:
         if self.rounds.entered and identity.startswith(b"worker"):  # elastic: Rounds.expect
             body = {**msg.body, "entered": [list(e) for e in self.rounds.entered.items()]}
             msg = Message(msg.kind, msg.id, msg.sender, body, msg.arrays)
+        chan = self._channel_of.get(identity)
+        if chan is not None:
+            self._send_channel(identity, chan, msg)
+            return
         try:
             sent = transport.send(self.sock, msg, route=identity, track=track)
         except zmq.Again:
@@ -407,6 +441,107 @@ class Server:
                 else:  # a key only pulled is never applied: prune its finished sends here
                     busy[:] = [b for b in busy if not b.done]
                     busy.append(s)
+
+    # ---- same-host channels (kvstore.channel)
+    def _serve_channels(self, events: dict) -> None:
+        """New connections, their proofs, requests, and queued replies to write."""
+        if self._listener.fd in events:
+            for chan in self._listener.accept(self.cfg.max_message):
+                self._channels[chan.fd] = chan
+                self._poller.register(chan.fd, zmq.POLLIN)
+        for fd, chan in list(self._channels.items()):
+            event = events.get(fd)
+            if not event:
+                continue
+            if event & zmq.POLLOUT:
+                self._flush_channel(chan)
+            if not event & (zmq.POLLIN | zmq.POLLERR):
+                continue
+            if chan.rank < 0:
+                self._prove_channel(chan)
+                continue
+            try:
+                messages = chan.receive()
+            except ValueError as exc:
+                log.warning("%s: %s's channel: %s; closed", self.name, chan.identity, exc)
+                self._close_channel(chan)
+                continue
+            for frames in messages:
+                self._handle(chan.identity, frames, chan)
+            if chan.closed:
+                self._close_channel(chan)
+
+    def _prove_channel(self, chan: channel.Channel) -> None:
+        """A connection's first datagram: ``[rank, secret]``, a secret this server gave that
+        rank's proved connection; anything else closes it."""
+        try:
+            data = chan.sock.recv(channel.CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        try:
+            rank, secret = channel.parse_hello(data)
+            if not 0 <= rank < self.num_workers or self._secrets.get(rank) != secret:
+                raise ValueError(f"a channel claiming worker {rank} with a wrong secret")
+        except ValueError as exc:
+            if data:
+                log.warning("%s: %s; closed", self.name, exc)
+            self._close_channel(chan)
+            return
+        del self._secrets[rank]
+        identity = self._names[rank].encode()
+        self._drop_channel(identity)
+        chan.rank, chan.identity = rank, identity
+        try:
+            chan.sock.send(b"ok")
+        except OSError:
+            self._close_channel(chan)
+            return
+        self._channel_of[identity] = chan
+        self._lost.discard(identity)
+        log.debug("%s: worker %d talks by its same-host channel", self.name, rank)
+
+    def _send_channel(self, identity: bytes, chan: channel.Channel, msg: Message) -> None:
+        """A reply by the channel: written now or copied and queued, never waited for."""
+        try:
+            queued = chan.backlog
+            taken = chan.send(encode_frames(msg)[0])
+        except OSError as exc:  # the worker is gone: the scheduler says what that means
+            log.info("%s: %s's channel closed (%s)", self.name, identity.decode(), exc)
+            self._close_channel(chan)
+            return
+        if not taken and identity not in self._lost:
+            self._lost.add(identity)
+            log.warning(
+                "%s: %r does not read its replies (%d MiB queued); dropping them",
+                self.name,
+                identity,
+                channel.QUEUE_BYTES >> 20,
+            )
+        if chan.backlog and not queued:
+            self._poller.modify(chan.fd, zmq.POLLIN | zmq.POLLOUT)
+
+    def _flush_channel(self, chan: channel.Channel) -> None:
+        try:
+            chan.flush()
+        except OSError:
+            self._close_channel(chan)
+            return
+        if not chan.backlog:
+            self._poller.modify(chan.fd, zmq.POLLIN)
+
+    def _drop_channel(self, identity: bytes) -> None:
+        chan = self._channel_of.get(identity)
+        if chan is not None:
+            self._close_channel(chan)
+
+    def _close_channel(self, chan: channel.Channel) -> None:
+        if self._channels.pop(chan.fd, None) is not None:
+            self._poller.unregister(chan.fd)
+        if self._channel_of.get(chan.identity) is chan:
+            del self._channel_of[chan.identity]
+        chan.close()
 
     def _error(self, identity: bytes, request: Message, text: str, unchanged=False) -> None:
         log.warning("%s: %s", self.name, text)
@@ -575,7 +710,8 @@ class Server:
         self.stored[key] = target
 
     # ---- requests
-    def _handle(self, identity: bytes, frames) -> None:
+    def _handle(self, identity: bytes, frames, via: channel.Channel | None = None) -> None:
+        """One request; ``via``: the same-host channel it came by (proved: no gate)."""
         try:
             msg = decode(frames)
         except ProtocolError as exc:
@@ -591,14 +727,14 @@ class Server:
                 return
             epoch = msg.body.get("epoch")
             if type(epoch) is int and epoch > self.epoch:  # sent after a failover we have
-                self._deferred.append((identity, frames))  # not heard of yet: keep it
+                self._deferred.append((identity, frames, via))  # not heard of yet: keep it
                 return
         # an elastic job: the membership epoch the request depends on (a newcomer's arrival:
         # its credential and rounds come with that notice; or one it was told entered)
         joined = msg.body.get("mepoch")
         if type(joined) is int and joined > self.members_epoch:  # wait for that notice
             if len(self._deferred) < 10_000:
-                self._deferred.append((identity, frames))
+                self._deferred.append((identity, frames, via))
             else:  # never dropped in silence: the worker hears why
                 self._error(
                     identity,
@@ -609,7 +745,12 @@ class Server:
                 )
             return
         try:
-            rank = self._worker_rank(identity, frames[0], msg.kind)
+            if via is None:
+                rank = self._worker_rank(identity, frames[0], msg.kind)
+            elif msg.kind in ("hello", "auth"):
+                raise ValueError(f"{msg.kind} came by the same-host channel: only by ZeroMQ")
+            else:
+                rank = via.rank
             handler = self.handlers.get(msg.kind)
             if handler is None:
                 raise ValueError(f"unexpected message kind {msg.kind!r} from {msg.sender}")
@@ -837,7 +978,16 @@ class Server:
             and shm.prove(body.get("probe"), rank, body.get("nonce"))
         )
         reply = {"shm": bool(same)}
-        if self.gate is not None and not self.cfg.encrypt:
+        self._drop_channel(identity)  # a new process in this slot: its replies come by TCP
+        proving = self.gate is not None and not self.cfg.encrypt
+        if same and self._listener is not None:
+            secret = secrets.token_hex(16)
+            reply["channel"] = [channel.wire_address(self._listener.address), secret]
+            if proving:  # good once this connection proves the rank's token (_on_auth)
+                self._offered[rank] = (self._connection[0], secret)
+            else:
+                self._secrets[rank] = secret
+        if proving:
             connection = self._connection[0]
             self._challenges.pop(connection, None)
             while len(self._challenges) >= 4 * self.num_workers + 1000:  # strangers' hellos
@@ -858,6 +1008,9 @@ class Server:
             self.gate.refuse(_peer_of(frame), f"{identity.decode()}: {wrong}")
             raise auth.Refused(f"auth refused: {wrong}")
         self._proved[rank] = connection
+        offered = self._offered.pop(rank, None)
+        if offered is not None and offered[0] == connection:
+            self._secrets[rank] = offered[1]
         self._send(identity, Message("ack", msg.id, self.name))
 
     def _check_pull_codec(self, msg: Message) -> None:
@@ -1238,7 +1391,7 @@ class Server:
             elif msg.kind == "replica":
                 epoch = msg.body.get("epoch")
                 if type(epoch) is int and epoch > self.epoch:  # a failover not heard of yet:
-                    self._deferred.append((identity, frames))  # kept whole, arrays and all
+                    self._deferred.append((identity, frames, None))  # kept whole, arrays and all
                     return
                 self._on_replica(identity, peer, msg)
             else:
@@ -1436,8 +1589,8 @@ class Server:
         for request in released:
             self._reply(request)
         deferred, self._deferred = self._deferred, []
-        for identity, frames in deferred:
-            self._handle(identity, frames)
+        for identity, frames, via in deferred:
+            self._handle(identity, frames, via)
 
     def _on_fenced(self, msg: Message) -> int:
         log.error("%s: %s", self.name, msg.body["reason"])

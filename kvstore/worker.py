@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import auth, metrics, shm, sparse, transport
+from . import auth, channel, metrics, shm, sparse, transport
 from .arrays import namespace, reduce_sum, to_host
 from .config import Config, setup_logging, staleness_of, warn_if_insecure
 from .control import Control, raise_for
@@ -42,7 +42,7 @@ from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
-from .protocol import Message, ProtocolError, decode, internal, request_ids
+from .protocol import Message, ProtocolError, decode, encode_frames, internal, request_ids
 from .sharding import acting
 from .store import KVStore, Pending, RowsItem
 
@@ -186,6 +186,9 @@ class DistStore(KVStore):
         self._failure_type: type[KVStoreError] = KVStoreError  # raised again on every call
         self._failure_known = False  # told by the scheduler: it needs no report of it
         self._sockets: list = []
+        # same-host servers' channels (kvstore.channel): by server, and the server by fd
+        self._channels: dict[int, channel.Channel] = {}
+        self._channel_fds: dict[int, int] = {}
         # row-sparse keys (dist_sync): the last push's rows come back with its reply when the
         # key's last push was followed by a row_sparse_pull of its ids (see _pull_from_push)
         self._rows_back: dict = {}  # key -> _RowsBack of the last push, until the next send
@@ -285,12 +288,16 @@ class DistStore(KVStore):
         (``auth``) before any other request (see :mod:`kvstore.auth`)."""
         local: set = set()
         proofs: dict = {}
+        offers: dict = {}  # server -> [its channel's address, a secret]
         use_shm = self.cfg.shm and shm.available()
 
         def answer(server):
             def on_reply(msg):
                 if use_shm and msg.body.get("shm") is True:
                     local.add(server)
+                    offer = msg.body.get("channel")
+                    if self.cfg.channel and isinstance(offer, list) and len(offer) == 2:
+                        offers[server] = offer
                 body = auth.answer(msg.body, self._cred, self._rank)
                 if body is not None:
                     proofs[server] = body
@@ -313,7 +320,28 @@ class DistStore(KVStore):
                 probe.unlink()
         ids = [self._send(s, "auth", body) for s, body in proofs.items()]
         self._wait("kvstore.create (auth)", ids)
+        for server, (address, secret) in offers.items():
+            self._open_channel(server, address, secret)
         return local
+
+    def _open_channel(self, server: int, address, secret) -> None:
+        """Talk to a same-host server by its channel from now on (kvstore.channel); where
+        that fails (another network namespace, say), by ZeroMQ as before."""
+        try:
+            chan = channel.connect(address, self._rank, secret, self.cfg.request_timeout)
+        except OSError as exc:
+            log.info("%s: no same-host channel (%s): TCP", self._server_name(server), exc)
+            return
+        self._channels[server] = chan
+        self._channel_fds[chan.fd] = server
+        self._poller.register(chan.fd, zmq.POLLIN)
+
+    def _close_channel(self, server: int) -> None:
+        chan = self._channels.pop(server, None)
+        if chan is not None:
+            del self._channel_fds[chan.fd]
+            self._poller.unregister(chan.fd)
+            chan.close()
 
     @property
     def rank(self) -> int:
@@ -362,13 +390,32 @@ class DistStore(KVStore):
         # changes its own keys' rows only (_push_rows forgets those)
         if self._rows_back and msg.kind != "sparse_push":
             self._forget_rows_back()
+        return self._send_to(self._route[server], msg)
+
+    def _send_to(self, server: int, msg: Message) -> list:
+        """Send ``msg`` to that very server: by its channel if it has one (no trackers: what
+        the socket does not take at once is copied), else by ZeroMQ (its trackers)."""
+        chan = self._channels.get(server)
         try:
-            return transport.send(self._sockets[self._route[server]], msg)
+            if chan is None:
+                return transport.send(self._sockets[server], msg)
+            queued = chan.backlog
+            if not chan.send(encode_frames(msg)[0]):
+                raise zmq.Again
         except zmq.Again:
             raise PeerLostError(
                 f"{msg.kind}: cannot send to {self._server_name(server)}: its queue "
                 "is full (is it alive?)"
             ) from None
+        except OSError as exc:  # it closed: the scheduler says what became of it
+            self._close_channel(server)
+            raise PeerLostError(
+                f"{msg.kind}: cannot send to {self._server_name(server)}: its same-host "
+                f"channel closed ({exc})"
+            ) from None
+        if chan.backlog and not queued:
+            self._poller.modify(chan.fd, zmq.POLLIN | zmq.POLLOUT)
+        return []
 
     def _commit(self, what: str, outgoing: Iterable[Outgoing], collector=None) -> tuple[list, list]:
         """Carry out a plan: write the shared segments, send every message as the plan gives
@@ -573,14 +620,39 @@ class DistStore(KVStore):
                 except zmq.NotDone:
                     pass
                 timeout = 0
-            for sock, _ in self._poller.poll(timeout * 1000):
-                if sock is self._control.pipe:
+            for sock, event in self._poller.poll(timeout * 1000):
+                if type(sock) is int:
+                    self._on_channel(sock, event, what)
+                elif sock is self._control.pipe:
                     msg = self._control.recv()
                     handler = self._control_handlers.get(msg.kind, self._on_failure)
                     if handler(msg, what):
                         deadline = time.monotonic() + self.cfg.request_timeout
                 else:
                     self._on_reply(transport.recv(sock), what)
+
+    def _on_channel(self, fd: int, event: int, what: str) -> None:
+        """A server's channel: write what was queued, read its replies; at its end, close it
+        (the scheduler says whether the server failed)."""
+        server = self._channel_fds.get(fd)
+        if server is None:  # closed by an earlier event of this poll
+            return
+        chan = self._channels[server]
+        try:
+            if event & zmq.POLLOUT:
+                chan.flush()
+                if not chan.backlog:
+                    self._poller.modify(fd, zmq.POLLIN)
+            messages = chan.receive() if event & (zmq.POLLIN | zmq.POLLERR) else ()
+        except (OSError, ValueError) as exc:
+            log.warning("%s: channel to %s: %s", what, self._server_name(server), exc)
+            self._close_channel(server)
+            return
+        for frames in messages:
+            self._on_reply(frames, what)
+        if chan.closed:
+            log.info("%s: %s closed its same-host channel", what, self._server_name(server))
+            self._close_channel(server)
 
     def _deadline_text(self, what: str, waiting: set, answer: str | None) -> str:
         servers = sorted({self._requests[i].server for i in waiting})
@@ -642,6 +714,7 @@ class DistStore(KVStore):
         for server in range(len(self._servers)):
             self._route[server] = acting(server, self._chains, dead)
         for server in newly:
+            self._close_channel(server)
             sock = self._sockets[server]
             self._poller.unregister(sock)
             sock.close(linger=0)
@@ -665,7 +738,7 @@ class DistStore(KVStore):
             arrays[index] = segment.push.view(arrays[index].dtype)[: hi - lo].copy()
         request.msg = Message(old.kind, old.id, old.sender, body, arrays)
         request.sent_to = self._route[request.server]
-        transport.send(self._sockets[request.sent_to], request.msg)
+        self._send_to(request.sent_to, request.msg)
 
     def _on_members(self, msg: Message, what: str) -> bool:
         """An elastic job's workers changed: the new ones are counted from now on."""
@@ -1252,6 +1325,8 @@ class DistStore(KVStore):
         self._segments.close()
         known = self._failure is not None and self._failure_known
         self._control.close(finalize=False, failed="" if known else reason)
+        for server in list(self._channels):
+            self._close_channel(server)
         for sock in self._sockets:
             sock.close(linger=0)
         self._ctx.term()
@@ -1291,6 +1366,8 @@ class DistStore(KVStore):
         failed = self._failure if self._failure and not self._failure_known else ""
         reason = f"stopped after an error: {failed}"[:400] if failed else ""
         self._control.close(finalize=finalize and not failed, failed=reason)
+        for server in list(getattr(self, "_channels", ())):
+            self._close_channel(server)
         for sock in self._sockets:
             sock.close(linger=0)  # every request was answered, or the job has failed
         self._ctx.term()

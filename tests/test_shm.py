@@ -45,14 +45,18 @@ def test_a_server_opens_only_that_workers_segments_of_the_right_size():
     assert seg.name not in _ours()
 
 
-@pytest.mark.parametrize("use", ["1", "0"])
-def test_jobs_on_one_host_share_memory_exactly(cluster, use):
+@pytest.mark.parametrize("use,chan", [("1", "1"), ("1", "0"), ("0", "1")])
+def test_jobs_on_one_host_share_memory_exactly(cluster, use, chan):
+    """Shared segments, with the messages by the same-host channel (kvstore.channel) or by
+    TCP; or neither (KVSTORE_SHM=0 turns the channel off too)."""
     before = _ours()
-    c = cluster(2, 3, KVSTORE_BIGARRAY_BOUND=1000, KVSTORE_SHM=use)
+    c = cluster(2, 3, KVSTORE_BIGARRAY_BOUND=1000, KVSTORE_SHM=use, KVSTORE_CHANNEL=chan)
     outs = c.run_workers("random_rounds.py", [3, 20], timeout=90)
     expected = "2" if use == "1" else "0"
+    channels = "2" if use == chan == "1" else "0"
     for out in outs:
         assert f"shares memory with {expected} servers" in out, out
+        assert f"talks by channel with {channels} servers" in out, out
         assert "pulled values exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
     assert _ours() <= before, _ours() - before  # no file left behind

@@ -98,6 +98,8 @@ for step, keys in enumerate(plan):
             check(later, outs)
             unchecked.clear()
 finish(0)
+channels = len(kv._channels)  # (closed by close)
 kv.close()
 print(f"rank {rank} shares memory with {len(kv._planner.shm_servers)} servers", flush=True)
+print(f"rank {rank} talks by channel with {channels} servers", flush=True)
 print(f"rank {rank} OK: {checks} pulled values exact", flush=True)

@@ -1,0 +1,137 @@
+"""The same-host channel (kvstore.channel): framing against a model, real Unix sockets, and a
+stranger at a real server's channel."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import channel
+
+from .cluster import poll_until
+
+sizes = st.one_of(
+    st.integers(0, 64),
+    st.integers(channel.CHUNK - 40, channel.CHUNK + 40),
+    st.integers(0, 3 * channel.CHUNK),
+)
+
+
+def _frames(draw_sizes, seed: int) -> list[bytes]:
+    return [bytes((seed + i + j) % 251 for j in range(n)) for i, n in enumerate(draw_sizes)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(sizes, min_size=1, max_size=5), min_size=1, max_size=4))
+def test_messages_come_out_as_they_went_in(messages):
+    """Any run of messages, each cut into datagrams of at most CHUNK bytes, reassembles into
+    the same frames, one message per last datagram."""
+    assembler = channel.Assembler()
+    for seed, shape in enumerate(messages):
+        frames = _frames(shape, seed)
+        grams = channel.datagrams(frames)
+        assert all(sum(memoryview(b).nbytes for b in g) <= channel.CHUNK for g in grams)
+        out = [assembler.feed(b"".join(g)) for g in grams]
+        assert out[:-1] == [None] * (len(grams) - 1)
+        assert [bytes(f) for f in out[-1]] == frames
+
+
+def test_a_malformed_datagram_is_refused():
+    assembler = channel.Assembler(limit=100)
+    with pytest.raises(ValueError, match="no header"):
+        assembler.feed(b"\x01")
+    good = b"".join(channel.datagrams([b"abc", b"de"])[0])
+    with pytest.raises(ValueError, match="do not add up"):
+        assembler.feed(b"\x09" + good[1:])  # total 9, frames 3 + 2
+    with pytest.raises(ValueError, match="does not fit"):
+        assembler.feed(good[:20])
+    with pytest.raises(ValueError, match="KVSTORE_MAX_MESSAGE"):
+        assembler.feed(b"".join(channel.datagrams([bytes(101)])[0]))
+    with pytest.raises(ValueError, match="not \\[rank, secret\\]"):
+        channel.parse_hello(b"\x93\x01\x02\x03")
+
+
+def _pair(limit: int = 2**32):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return channel.Channel(a, limit), channel.Channel(b, limit)
+
+
+def test_a_reader_that_lags_gets_everything_in_order():
+    """Sends never wait: what the socket does not take is queued (copied), written by
+    flush, and read in order; past QUEUE_BYTES a send is refused, nothing queued."""
+    writer, reader = _pair()
+    big = [bytes([i % 256]) * 50_000 for i in range(40)]  # far more than a socket holds
+    for i, payload in enumerate(big):
+        assert writer.send([b"head %d" % i, payload])
+    assert writer.backlog
+    got = []
+    for _ in range(1000):
+        writer.flush()
+        got += reader.receive()
+        if len(got) == len(big) and not writer.backlog:
+            break
+    assert [bytes(f[0]) for f in got] == [b"head %d" % i for i in range(40)]
+    assert [bytes(f[1]) for f in got] == big
+    old = channel.QUEUE_BYTES
+    try:
+        channel.QUEUE_BYTES = 300_000
+        results = [writer.send([bytes(100_000)]) for _ in range(10)]
+        assert results[0] and not all(results)
+    finally:
+        channel.QUEUE_BYTES = old
+    writer.close()
+    reader.close()
+
+
+def test_the_end_of_a_connection_is_read_as_closed():
+    writer, reader = _pair()
+    writer.send([b"last"])
+    writer.close()
+    assert [bytes(f[0]) for f in reader.receive()] == [b"last"]
+    assert reader.closed
+    with pytest.raises(OSError):  # EPIPE: the peer is gone
+        reader.send([b"x" * 10])
+    reader.close()
+
+
+def test_connect_refuses_an_address_that_is_not_a_channel():
+    with pytest.raises(OSError, match="not a channel address"):
+        channel.connect("/tmp/x", 0, "s", 1)
+
+
+def _listening_channels(pid: int) -> list[str]:
+    """The abstract addresses a process listens at, as any local user sees them."""
+    names = []
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and parts[-1].startswith(f"@kvs-channel-{pid}-"):
+                names.append(parts[-1])
+    return names
+
+
+def test_a_stranger_at_a_servers_channel_is_closed_and_the_job_goes_on(cluster):
+    """Anyone on the host can find the address; without the secret its hello gave a proved
+    worker, a connection is closed at its first datagram, and the workers' sums stay
+    exact."""
+    c = cluster(1, 2, KVSTORE_BIGARRAY_BOUND=1000)
+    workers = c.start_workers("random_rounds.py", [5, 60])
+    server = c.procs["server0"].pid
+    assert poll_until(lambda: _listening_channels(server), 30), c.dump()
+    address = _listening_channels(server)[0]
+    for rank, secret in ((0, "0" * 32), (7, "x"), ("bad", "")):
+        with pytest.raises(OSError):
+            channel.connect(address, rank, secret, 10)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw:  # no [rank, secret]
+        raw.settimeout(10)
+        raw.connect("\0" + address[1:])
+        raw.send(b"\xc1not msgpack")
+        assert raw.recv(100) == b""
+    assert c.wait(workers, 90) == [0, 0], c.dump()
+    for i in range(2):
+        out = c.output(f"worker{i}")
+        assert "talks by channel with 1 servers" in out and "pulled values exact" in out, out
+    assert "wrong secret; closed" in c.output("server0"), c.dump()
