@@ -394,7 +394,8 @@ class DistStore(KVStore):
 
     def _send_to(self, server: int, msg: Message) -> list:
         """Send ``msg`` to that very server: by its channel if it has one (no trackers: what
-        the socket does not take at once is copied), else by ZeroMQ (its trackers)."""
+        the socket does not take at once is copied), else by ZeroMQ (its trackers). A
+        message to a server whose channel closed is lost, as with ZeroMQ (see below)."""
         chan = self._channels.get(server)
         try:
             if chan is None:
@@ -407,12 +408,13 @@ class DistStore(KVStore):
                 f"{msg.kind}: cannot send to {self._server_name(server)}: its queue "
                 "is full (is it alive?)"
             ) from None
-        except OSError as exc:  # it closed: the scheduler says what became of it
+        except OSError as exc:
+            # it closed (the server died): lost, as ZeroMQ loses what it queued to a dead
+            # peer; the scheduler says what became of the server (a failover re-sends the
+            # request, or the call fails naming the server), and the deadline still holds
+            log.info("%s closed its same-host channel (%s)", self._server_name(server), exc)
             self._close_channel(server)
-            raise PeerLostError(
-                f"{msg.kind}: cannot send to {self._server_name(server)}: its same-host "
-                f"channel closed ({exc})"
-            ) from None
+            return []
         if chan.backlog and not queued:
             self._poller.modify(chan.fd, zmq.POLLIN | zmq.POLLOUT)
         return []
