@@ -15,11 +15,11 @@ server's ``ok``; from then on every message of the worker to that server, and ba
 the channel. Any failure on the way (another network namespace, no room) leaves the worker on
 ZeroMQ, as before: the channel is a shortcut, never a requirement.
 
-Messages keep ZeroMQ's frames (:func:`kvstore.protocol.encode_frames`). A message is one or
-more datagrams of at most :data:`CHUNK` bytes (the kernel caps a datagram near the socket's
-send buffer): the first begins with ``<total bytes, frame count, frame sizes...>`` (64-bit and
-32-bit little-endian), then the frames' bytes back to back. :func:`datagrams` and
-:class:`Assembler` do that without I/O.
+Messages keep ZeroMQ's frames (:func:`kvstore.protocol.encode_frames`). A message is a
+header ``<frame bytes, frame count, frame sizes...>`` (64-bit, 32-bit, 64-bit each,
+little-endian) and the frames' bytes back to back, cut into datagrams of at most
+:data:`CHUNK` bytes (the kernel caps a datagram near the socket's send buffer).
+:func:`datagrams` and :class:`Assembler` do that without I/O.
 
 A reader that stops reading is flow control, as with ZeroMQ's queues: a send never waits;
 what does not fit is copied and queued, and written when the socket is writable (each side's
@@ -40,22 +40,23 @@ import struct
 import msgpack
 
 CHUNK = 1 << 16  # bytes per datagram
-MAX_FRAMES = 4096  # more frames than any message has (the header: 32 KiB)
+MAX_FRAMES = 1 << 20  # frames in one message, at most (far more than any has)
 QUEUE_BYTES = 1 << 28  # a server's queued bytes to one worker beyond which replies drop
 _HEAD = struct.Struct("<QI")
 
 
 def datagrams(frames: list) -> list[list]:
     """A message's frames as datagrams: each a list of buffers of at most :data:`CHUNK`
-    bytes in all (the frames are not copied: slices of them)."""
+    bytes in all (the frames are not copied: slices of them). The message is one stream,
+    ``<total, count, sizes...>`` then the frames, cut every :data:`CHUNK` bytes."""
     views = [memoryview(f) for f in frames]
     views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
     if len(views) > MAX_FRAMES:
         raise ValueError(f"a message of {len(views)} frames: at most {MAX_FRAMES}")
     sizes = [v.nbytes for v in views]
     head = _HEAD.pack(sum(sizes), len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
-    out, current, room = [], [head], CHUNK - len(head)
-    for view in views:
+    out, current, room = [], [], CHUNK
+    for view in (memoryview(head), *views):
         while view.nbytes:
             if not room:
                 out.append(current)
@@ -72,45 +73,43 @@ class Assembler:
 
     def __init__(self, limit: int = 2**32):
         self.limit = limit  # bytes in one frame, at most (KVSTORE_MAX_MESSAGE)
-        self._sizes: list | None = None
         self._parts: list = []
         self._have = 0
-        self._total = 0
+        self._total = 0  # the message's bytes, its header's included
+        self._count = 0
 
     def feed(self, data: bytes) -> list | None:
         """The message ``data`` completes (its frames), or None. A malformed datagram
         raises ``ValueError``."""
-        if self._sizes is None:
+        if not self._parts:  # a message's first datagram: at least its fixed header
             if len(data) < _HEAD.size:
                 raise ValueError(f"a channel datagram of {len(data)} bytes: no header")
             total, count = _HEAD.unpack_from(data)
-            start = _HEAD.size + 8 * count
-            if count > MAX_FRAMES or len(data) < start:
-                raise ValueError(f"a channel header of {count} frames does not fit its datagram")
-            sizes = list(struct.unpack_from(f"<{count}Q", data, _HEAD.size))
-            if sum(sizes) != total:
-                raise ValueError("a channel header's frame sizes do not add up to its total")
-            if sizes and max(sizes) > self.limit:
-                raise ValueError(
-                    f"a channel frame of {max(sizes)} bytes: more than {self.limit} "
-                    "(KVSTORE_MAX_MESSAGE)"
-                )
-            self._sizes, self._total = sizes, total
-            body = memoryview(data)[start:]
-        else:
-            body = memoryview(data)
-        self._parts.append(body)
-        self._have += body.nbytes
+            if count > MAX_FRAMES or total > self.limit * max(count, 1):
+                raise ValueError(f"a channel message of {count} frames and {total} bytes")
+            self._count, self._total = count, _HEAD.size + 8 * count + total
+        self._parts.append(data)
+        self._have += len(data)
         if self._have < self._total:
             return None
-        if self._have > self._total:
-            raise ValueError(f"a channel message of {self._have} bytes, announced {self._total}")
-        whole = self._parts[0] if len(self._parts) == 1 else memoryview(b"".join(self._parts))
-        frames, at = [], 0
-        for size in self._sizes:
-            frames.append(whole[at : at + size])
+        count, total, have = self._count, self._total, self._have
+        whole = data if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts, self._have = [], 0
+        if have > total:
+            raise ValueError(f"a channel message of {have} bytes, announced {total}")
+        start = _HEAD.size + 8 * count
+        sizes = struct.unpack_from(f"<{count}Q", whole, _HEAD.size)
+        if sum(sizes) != total - start:
+            raise ValueError("a channel header's frame sizes do not add up to its total")
+        if sizes and max(sizes) > self.limit:
+            raise ValueError(
+                f"a channel frame of {max(sizes)} bytes: more than {self.limit} "
+                "(KVSTORE_MAX_MESSAGE)"
+            )
+        frames, at, view = [], start, memoryview(whole)
+        for size in sizes:
+            frames.append(view[at : at + size])
             at += size
-        self._sizes, self._parts, self._have = None, [], 0
         return frames
 
 

@@ -451,7 +451,7 @@ class Server:
                 self._poller.register(chan.fd, zmq.POLLIN)
         for fd, chan in list(self._channels.items()):
             event = events.get(fd)
-            if not event:
+            if not event or chan.closed:  # (closed by an earlier request of this wake-up)
                 continue
             if event & zmq.POLLOUT:
                 self._flush_channel(chan)
@@ -462,7 +462,7 @@ class Server:
                 continue
             try:
                 messages = chan.receive()
-            except ValueError as exc:
+            except (OSError, ValueError) as exc:
                 log.warning("%s: %s's channel: %s; closed", self.name, chan.identity, exc)
                 self._close_channel(chan)
                 continue

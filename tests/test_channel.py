@@ -4,6 +4,7 @@ stranger at a real server's channel."""
 from __future__ import annotations
 
 import socket
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -40,18 +41,33 @@ def test_messages_come_out_as_they_went_in(messages):
 
 
 def test_a_malformed_datagram_is_refused():
-    assembler = channel.Assembler(limit=100)
+    def first(frames):
+        return b"".join(channel.datagrams(frames)[0])
+
     with pytest.raises(ValueError, match="no header"):
-        assembler.feed(b"\x01")
-    good = b"".join(channel.datagrams([b"abc", b"de"])[0])
-    with pytest.raises(ValueError, match="do not add up"):
-        assembler.feed(b"\x09" + good[1:])  # total 9, frames 3 + 2
-    with pytest.raises(ValueError, match="does not fit"):
-        assembler.feed(good[:20])
+        channel.Assembler().feed(b"\x01")
+    good = first([b"abc", b"de"])
+    with pytest.raises(ValueError, match="do not add up"):  # total 5, frames 2 + 2
+        channel.Assembler().feed(good[:12] + struct.pack("<QQ", 2, 2) + good[28:])
+    with pytest.raises(ValueError, match="announced"):
+        channel.Assembler().feed(good + b"x")
     with pytest.raises(ValueError, match="KVSTORE_MAX_MESSAGE"):
-        assembler.feed(b"".join(channel.datagrams([bytes(101)])[0]))
+        channel.Assembler(limit=100).feed(first([bytes(101), b""]))
+    with pytest.raises(ValueError, match="frames and"):
+        channel.Assembler(limit=100).feed(first([bytes(101)]))
+    with pytest.raises(ValueError, match="frames and"):
+        channel.Assembler().feed(struct.pack("<QI", 0, channel.MAX_FRAMES + 1))
     with pytest.raises(ValueError, match="not \\[rank, secret\\]"):
         channel.parse_hello(b"\x93\x01\x02\x03")
+
+
+def test_a_header_longer_than_a_datagram():
+    frames = [bytes([i % 7]) for i in range(channel.CHUNK // 8 + 10)]
+    grams = channel.datagrams(frames)
+    assert len(grams) == 2
+    assembler = channel.Assembler()
+    assert assembler.feed(b"".join(grams[0])) is None
+    assert [bytes(f) for f in assembler.feed(b"".join(grams[1]))] == frames
 
 
 def _pair(limit: int = 2**32):
