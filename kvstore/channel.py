@@ -23,8 +23,10 @@ little-endian) and the frames' bytes back to back, cut into datagrams of at most
 
 A reader that stops reading is flow control, as with ZeroMQ's queues: a send never waits;
 what does not fit is copied and queued, and written when the socket is writable (each side's
-poll loop). The queue is bounded (:data:`QUEUE_BYTES`): beyond it a server drops the
-replies, as a full ZeroMQ queue drops them, and a worker's send fails. The end of a
+poll loop). A server's queue to one worker is bounded (64 MiB, 10,000 datagrams): beyond it the
+replies are dropped, as a full ZeroMQ queue drops them (a message is always taken when none
+waits before it). A worker's is not: it holds the worker's own calls, which wait for their
+replies. The end of a
 connection (a peer that died or closed) is read as an empty datagram; the scheduler still
 decides what a lost peer means.
 """
@@ -41,7 +43,8 @@ import msgpack
 
 CHUNK = 1 << 16  # bytes per datagram
 MAX_FRAMES = 1 << 20  # frames in one message, at most (far more than any has)
-QUEUE_BYTES = 1 << 28  # a server's queued bytes to one worker beyond which replies drop
+# a server's queue to one worker, beyond which its replies drop: bytes, datagrams
+QUEUE_BYTES, QUEUE_DATAGRAMS = 1 << 26, 10_000
 _HEAD = struct.Struct("<QI")
 
 
@@ -132,10 +135,12 @@ class Channel:
         """Datagrams queued to write when the socket is writable (:meth:`flush`)."""
         return bool(self._out)
 
-    def send(self, frames: list) -> bool:
+    def send(self, frames: list, bounded: bool = True) -> bool:
         """Write a message without waiting; what does not fit now is copied and queued. False
-        (nothing queued) when the queue is over :data:`QUEUE_BYTES`. ``OSError`` when the
-        peer is gone."""
+        (nothing queued) when ``bounded`` and the queue would hold over :data:`QUEUE_BYTES`
+        or holds :data:`QUEUE_DATAGRAMS` already (a server's replies to a worker that does
+        not read them; a message is always taken when nothing waits before it).
+        ``OSError`` when the peer is gone."""
         grams = datagrams(frames)
         i = 0
         if not self._out:
@@ -148,10 +153,12 @@ class Channel:
         if i == len(grams):
             return True
         rest = [b"".join(g) for g in grams[i:]]
-        if i == 0 and self._queued + sum(map(len, rest)) > QUEUE_BYTES:
-            return False
+        size = sum(map(len, rest))
+        if bounded and self._out:
+            if self._queued + size > QUEUE_BYTES or len(self._out) >= QUEUE_DATAGRAMS:
+                return False
         self._out.extend(rest)
-        self._queued += sum(map(len, rest))
+        self._queued += size
         return True
 
     def flush(self) -> None:

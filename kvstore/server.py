@@ -166,11 +166,14 @@ class Server:
         self._proved: dict[int, str] = {}  # rank -> the connection that proved its token
         self._connection: tuple = ("", None)  # (User-Id, first frame) of the message in hand
         # same-host workers' channels (kvstore.channel): the listener, by file descriptor
-        # every connection, by routing identity the proved ones, by rank the secrets a hello
-        # gave (valid once the connection proved its token) and those now valid
+        # every connection, by routing identity the proved ones (each its own identity,
+        # ``worker-<rank>/channel-<n>``: a request is answered by the way it came), by rank
+        # the secrets a hello gave (valid once the connection proved its token) and those
+        # now valid
         self._listener: channel.Listener | None = None
         self._channels: dict[int, channel.Channel] = {}
         self._channel_of: dict[bytes, channel.Channel] = {}
+        self._channel_count = 0
         self._offered: dict[int, tuple] = {}  # rank -> (connection, secret)
         self._secrets: dict[int, str] = {}  # rank -> a secret its channel may prove, once
         self.handlers = {
@@ -371,7 +374,7 @@ class Server:
             if seen is not None and seen[0] == stall.round and now < seen[1]:
                 continue
             self._stall_reports[name] = (stall.round, now + every, stall.key)
-            waiting = sorted({int(_WORKER_ID.fullmatch(q.identity)[1]) for q in stall.waiting})
+            waiting = sorted({int(_WORKER_ID.match(q.identity)[1]) for q in stall.waiting})
             body = {
                 "key": name,
                 "round": stall.round,
@@ -490,8 +493,8 @@ class Server:
             self._close_channel(chan)
             return
         del self._secrets[rank]
-        identity = self._names[rank].encode()
-        self._drop_channel(identity)
+        self._channel_count += 1
+        identity = b"%s/channel-%d" % (self._names[rank].encode(), self._channel_count)
         chan.rank, chan.identity = rank, identity
         try:
             chan.sock.send(b"ok")
@@ -499,7 +502,7 @@ class Server:
             self._close_channel(chan)
             return
         self._channel_of[identity] = chan
-        self._lost.discard(identity)
+        self._ranks[identity] = rank
         log.debug("%s: worker %d talks by its same-host channel", self.name, rank)
 
     def _send_channel(self, identity: bytes, chan: channel.Channel, msg: Message) -> None:
@@ -514,10 +517,9 @@ class Server:
         if not taken and identity not in self._lost:
             self._lost.add(identity)
             log.warning(
-                "%s: %r does not read its replies (%d MiB queued); dropping them",
+                "%s: %r does not read its replies (its channel's queue is full); dropping them",
                 self.name,
                 identity,
-                channel.QUEUE_BYTES >> 20,
             )
         if chan.backlog and not queued:
             self._poller.modify(chan.fd, zmq.POLLIN | zmq.POLLOUT)
@@ -531,16 +533,12 @@ class Server:
         if not chan.backlog:
             self._poller.modify(chan.fd, zmq.POLLIN)
 
-    def _drop_channel(self, identity: bytes) -> None:
-        chan = self._channel_of.get(identity)
-        if chan is not None:
-            self._close_channel(chan)
-
     def _close_channel(self, chan: channel.Channel) -> None:
         if self._channels.pop(chan.fd, None) is not None:
             self._poller.unregister(chan.fd)
-        if self._channel_of.get(chan.identity) is chan:
-            del self._channel_of[chan.identity]
+        if self._channel_of.pop(chan.identity, None) is not None:
+            self._ranks.pop(chan.identity, None)
+            self._lost.discard(chan.identity)
         chan.close()
 
     def _error(self, identity: bytes, request: Message, text: str, unchanged=False) -> None:
@@ -978,7 +976,6 @@ class Server:
             and shm.prove(body.get("probe"), rank, body.get("nonce"))
         )
         reply = {"shm": bool(same)}
-        self._drop_channel(identity)  # a new process in this slot: its replies come by TCP
         proving = self.gate is not None and not self.cfg.encrypt
         if same and self._listener is not None:
             secret = secrets.token_hex(16)

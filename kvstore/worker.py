@@ -401,8 +401,7 @@ class DistStore(KVStore):
             if chan is None:
                 return transport.send(self._sockets[server], msg)
             queued = chan.backlog
-            if not chan.send(encode_frames(msg)[0]):
-                raise zmq.Again
+            chan.send(encode_frames(msg)[0], bounded=False)  # (the caller's own data)
         except zmq.Again:
             raise PeerLostError(
                 f"{msg.kind}: cannot send to {self._server_name(server)}: its queue "

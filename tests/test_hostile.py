@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import threading
 
+import pytest
+
 
 class PeakRss:
     """The largest resident size of some processes, sampled while a test runs (KiB)."""
@@ -48,8 +50,11 @@ def test_fuzzed_messages_kill_nobody_and_change_no_sum(cluster):
         assert "Traceback" not in log, log[-3000:]
 
 
-def test_a_flood_without_reading_stalls_nobody(cluster):
-    c = cluster(1, 3, KVSTORE_BIGARRAY_BOUND=2000)
+@pytest.mark.parametrize("via", ["tcp", "channel"])
+def test_a_flood_without_reading_stalls_nobody(cluster, via):
+    """A worker floods a server with pulls and never reads the replies, by ZeroMQ or by its
+    same-host channel (kvstore.channel): the server's queue to it is bounded either way."""
+    c = cluster(1, 3, KVSTORE_BIGARRAY_BOUND=2000, FLOOD_VIA=via)
     rss = PeakRss([c.procs["server0"]])
     outs = c.run_workers("hostile.py", ["flood", 200000, 1], timeout=120)
     peak = rss.stop()

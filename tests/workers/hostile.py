@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 import kvstore
-from kvstore import auth
+from kvstore import auth, channel
 from kvstore.protocol import Message, ProtocolError, decode, encode
 
 mode, count, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -180,13 +180,19 @@ elif rank == 2 and mode == "flood":
     kv.barrier()  # the others have measured their rate without a flood
     sock = kv._sockets[0]
     pull = encode(Message("pull", 1, "worker-2", {"keys": [["fuzz", 0]]}))
+    grams = [b"".join(g) for g in channel.datagrams(pull)]
+    chan = kv._channels.get(0) if os.environ.get("FLOOD_VIA") == "channel" else None
     sent = 0
     end = time.monotonic() + 3
     while time.monotonic() < end and sent < count:  # flood, never read a reply
         try:
-            sock.send_multipart(pull, zmq.NOBLOCK)
+            if chan is None:
+                sock.send_multipart(pull, zmq.NOBLOCK)
+            else:  # by the same-host channel (kvstore.channel), raw
+                for gram in grams:
+                    chan.sock.send(gram)
             sent += 1
-        except zmq.Again:
+        except (zmq.Again, BlockingIOError):
             time.sleep(0.001)
     print(f"rank 2 flooded {sent} pulls without reading", flush=True)
     kv.barrier()  # the flood is over
