@@ -16,17 +16,17 @@ the channel. Any failure on the way (another network namespace, no room) leaves 
 ZeroMQ, as before: the channel is a shortcut, never a requirement.
 
 Messages keep ZeroMQ's frames (:func:`kvstore.protocol.encode_frames`). A message is a
-header ``<frame bytes, frame count, frame sizes...>`` (64-bit, 32-bit, 64-bit each,
-little-endian) and the frames' bytes back to back, cut into datagrams of at most
+header ``<body bytes, frame count, frame sizes...>`` (64-bit, 32-bit, 64-bit each,
+little-endian) and the frames, each part padded to 8 bytes, cut into datagrams of at most
 :data:`CHUNK` bytes (the kernel caps a datagram near the socket's send buffer).
 :func:`datagrams` and :class:`Assembler` do that without I/O.
 
 A reader that stops reading is flow control, as with ZeroMQ's queues: a send never waits;
-what does not fit is copied and queued, and written when the socket is writable (each side's
-poll loop). A server's queue to one worker is bounded (64 MiB, 10,000 datagrams): beyond it the
-replies are dropped, as a full ZeroMQ queue drops them (a message is always taken when none
-waits before it). A worker's is not: it holds the worker's own calls, which wait for their
-replies. The end of a
+what does not fit is copied and queued, and written when the socket is writable (by the
+server's poll loop; by a worker's drain thread, which runs only while its queue is not
+empty). A server's queue to one worker holds 1000 messages at most, ZeroMQ's high-water
+mark: beyond it the replies are dropped, as a full ZeroMQ queue drops them. A worker's is
+not bounded: it holds the worker's own calls, which wait for their replies. The end of a
 connection (a peer that died or closed) is read as an empty datagram; the scheduler still
 decides what a lost peer means.
 """
@@ -36,30 +36,44 @@ from __future__ import annotations
 import collections
 import os
 import secrets
+import select
 import socket
 import struct
+import threading
 
 import msgpack
 
 CHUNK = 1 << 16  # bytes per datagram
 MAX_FRAMES = 1 << 20  # frames in one message, at most (far more than any has)
-# a server's queue to one worker, beyond which its replies drop: bytes, datagrams
-QUEUE_BYTES, QUEUE_DATAGRAMS = 1 << 26, 10_000
+QUEUE_MESSAGES = 1000  # a server's queue to one worker, beyond which replies drop (ZMQ's HWM)
 _HEAD = struct.Struct("<QI")
+_ZEROS = bytes(8)
+
+
+def _pad(n: int) -> int:
+    return -n % 8
 
 
 def datagrams(frames: list) -> list[list]:
     """A message's frames as datagrams: each a list of buffers of at most :data:`CHUNK`
-    bytes in all (the frames are not copied: slices of them). The message is one stream,
-    ``<total, count, sizes...>`` then the frames, cut every :data:`CHUNK` bytes."""
+    bytes in all (the frames are not copied: slices of them). The message is one stream:
+    ``<body bytes, count, sizes...>``, then each frame, every part starting 8-byte aligned
+    (the arrays in them keep the alignment separate ZeroMQ frames give), cut every
+    :data:`CHUNK` bytes."""
     views = [memoryview(f) for f in frames]
     views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
     if len(views) > MAX_FRAMES:
         raise ValueError(f"a message of {len(views)} frames: at most {MAX_FRAMES}")
     sizes = [v.nbytes for v in views]
-    head = _HEAD.pack(sum(sizes), len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+    body = sum(n + _pad(n) for n in sizes)
+    head = _HEAD.pack(body, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+    parts = [memoryview(head + bytes(_pad(len(head))))]
+    for view in views:
+        parts.append(view)
+        if _pad(view.nbytes):
+            parts.append(memoryview(_ZEROS[: _pad(view.nbytes)]))
     out, current, room = [], [], CHUNK
-    for view in (memoryview(head), *views):
+    for view in parts:
         while view.nbytes:
             if not room:
                 out.append(current)
@@ -82,15 +96,16 @@ class Assembler:
         self._count = 0
 
     def feed(self, data: bytes) -> list | None:
-        """The message ``data`` completes (its frames), or None. A malformed datagram
-        raises ``ValueError``."""
+        """The message ``data`` completes (its frames, each 8-byte aligned when ``data`` is),
+        or None. A malformed datagram raises ``ValueError``."""
         if not self._parts:  # a message's first datagram: at least its fixed header
             if len(data) < _HEAD.size:
                 raise ValueError(f"a channel datagram of {len(data)} bytes: no header")
-            total, count = _HEAD.unpack_from(data)
-            if count > MAX_FRAMES or total > self.limit * max(count, 1):
-                raise ValueError(f"a channel message of {count} frames and {total} bytes")
-            self._count, self._total = count, _HEAD.size + 8 * count + total
+            body, count = _HEAD.unpack_from(data)
+            if count > MAX_FRAMES or body > (self.limit + 8) * max(count, 1):
+                raise ValueError(f"a channel message of {count} frames and {body} bytes")
+            head = _HEAD.size + 8 * count
+            self._count, self._total = count, head + _pad(head) + body
         self._parts.append(data)
         self._have += len(data)
         if self._have < self._total:
@@ -100,35 +115,45 @@ class Assembler:
         self._parts, self._have = [], 0
         if have > total:
             raise ValueError(f"a channel message of {have} bytes, announced {total}")
-        start = _HEAD.size + 8 * count
         sizes = struct.unpack_from(f"<{count}Q", whole, _HEAD.size)
-        if sum(sizes) != total - start:
+        at = _HEAD.size + 8 * count
+        at += _pad(at)
+        if sum(n + _pad(n) for n in sizes) != total - at:
             raise ValueError("a channel header's frame sizes do not add up to its total")
         if sizes and max(sizes) > self.limit:
             raise ValueError(
                 f"a channel frame of {max(sizes)} bytes: more than {self.limit} "
                 "(KVSTORE_MAX_MESSAGE)"
             )
-        frames, at, view = [], start, memoryview(whole)
+        frames, view = [], memoryview(whole)
         for size in sizes:
             frames.append(view[at : at + size])
-            at += size
+            at += size + _pad(size)
         return frames
 
 
 class Channel:
-    """One end of a connection: :meth:`send` a message's frames, :meth:`receive` messages."""
+    """One end of a connection: :meth:`send` a message's frames, :meth:`receive` messages.
 
-    def __init__(self, sock: socket.socket, limit: int = 2**32):
+    What the socket does not take at once is copied and queued; a server writes the queue
+    from its poll loop (:meth:`flush` when writable), a worker (``background``) from a
+    thread that starts when the queue does, so that its messages go out while its caller
+    does something else, as ZeroMQ's I/O thread sends."""
+
+    def __init__(self, sock: socket.socket, limit: int = 2**32, background: bool = False):
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
         self.closed = False
+        self.background = background
         self._in = Assembler(limit)
-        self._out: collections.deque = collections.deque()  # copied datagrams not yet written
-        self._queued = 0
+        self._lock = threading.Lock()  # the queue, between a worker and its drain thread
+        self._out: collections.deque = collections.deque()  # (datagram copy, ends a message)
+        self._messages = 0  # messages with a datagram in the queue
+        self._draining = False
         self.rank = -1  # a server's: the worker it proved to be (-1: not yet)
         self.identity = b""
+        self.epoch = 0  # a server's: the membership epoch it was proved in
 
     @property
     def backlog(self) -> bool:
@@ -137,38 +162,64 @@ class Channel:
 
     def send(self, frames: list, bounded: bool = True) -> bool:
         """Write a message without waiting; what does not fit now is copied and queued. False
-        (nothing queued) when ``bounded`` and the queue would hold over :data:`QUEUE_BYTES`
-        or holds :data:`QUEUE_DATAGRAMS` already (a server's replies to a worker that does
-        not read them; a message is always taken when nothing waits before it).
+        (nothing queued) when ``bounded`` and :data:`QUEUE_MESSAGES` wait already (a
+        server's replies to a worker that does not read them, as ZeroMQ's high-water mark).
         ``OSError`` when the peer is gone."""
         grams = datagrams(frames)
-        i = 0
-        if not self._out:
-            try:
-                while i < len(grams):
-                    self.sock.sendmsg(grams[i])
-                    i += 1
-            except BlockingIOError:
-                pass
-        if i == len(grams):
-            return True
-        rest = [b"".join(g) for g in grams[i:]]
-        size = sum(map(len, rest))
-        if bounded and self._out:
-            if self._queued + size > QUEUE_BYTES or len(self._out) >= QUEUE_DATAGRAMS:
+        with self._lock:
+            i = 0
+            if not self._out:
+                try:
+                    while i < len(grams):
+                        self.sock.sendmsg(grams[i])
+                        i += 1
+                except BlockingIOError:
+                    pass
+            if i == len(grams):
+                return True
+            if bounded and self._messages >= QUEUE_MESSAGES:
                 return False
-        self._out.extend(rest)
-        self._queued += size
+            last = len(grams) - 1
+            self._out.extend((b"".join(grams[k]), k == last) for k in range(i, len(grams)))
+            self._messages += 1
+            if self.background and not self._draining:
+                self._draining = True
+                threading.Thread(target=self._drain, name="kvstore-channel", daemon=True).start()
         return True
 
     def flush(self) -> None:
         """Write queued datagrams while the socket takes them."""
-        while self._out:
+        with self._lock:
+            while self._out:
+                data, last = self._out[0]
+                try:
+                    self.sock.send(data)
+                except BlockingIOError:
+                    return
+                self._out.popleft()
+                self._messages -= last
+
+    def _drain(self) -> None:
+        """A worker's queue, written as the socket takes it (a thread; ends when it is
+        empty or the channel closed: the main thread learns of a lost peer by reading)."""
+        while True:
+            with self._lock:
+                if not self._out or self.closed:
+                    self._draining = False
+                    return
+                data, last = self._out[0]
             try:
-                self.sock.send(self._out[0])
+                select.select([], [self.sock], [], 1.0)
+                self.sock.send(data)
             except BlockingIOError:
+                continue
+            except (OSError, ValueError):  # closed, or the peer is gone
+                with self._lock:
+                    self._draining = False
                 return
-            self._queued -= len(self._out.popleft())
+            with self._lock:
+                self._out.popleft()
+                self._messages -= last
 
     def receive(self, limit: int = 64) -> list:
         """The complete messages readable now (at most ``limit`` datagrams read). At the end
@@ -209,15 +260,17 @@ class Listener:
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
 
-    def accept(self, limit: int = 2**32) -> list[Channel]:
+    def accept(self, limit: int = 2**32) -> tuple[list[Channel], str]:
+        """The connections waiting, and why the next could not be accepted ("": none
+        waits); a connection not accepted leaves its worker on ZeroMQ."""
         channels = []
         while True:
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return channels
-            except OSError:  # (EMFILE and the like: that worker stays on ZeroMQ)
-                return channels
+                return channels, ""
+            except OSError as exc:  # (EMFILE and the like)
+                return channels, str(exc)
             channels.append(Channel(conn, limit))
 
     def close(self) -> None:
@@ -246,7 +299,7 @@ def connect(address: str, rank: int, secret: str, timeout: float) -> Channel:
     except BaseException:
         sock.close()
         raise
-    return Channel(sock)
+    return Channel(sock, background=True)
 
 
 def parse_hello(data) -> tuple[int, str]:

@@ -18,6 +18,7 @@ Run it alone with ``DMLC_ROLE=server ... python -m kvstore.server``.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import mmap
 import re
@@ -174,7 +175,9 @@ class Server:
         self._channels: dict[int, channel.Channel] = {}
         self._channel_of: dict[bytes, channel.Channel] = {}
         self._channel_count = 0
-        self._offered: dict[int, tuple] = {}  # rank -> (connection, secret)
+        self._unproved: dict[int, float] = {}  # fd -> when accepted (proved within 10 s)
+        self._listening = True  # False for a tick after an accept failed (no busy loop)
+        self._offered: dict[str, tuple] = {}  # connection -> (rank, secret), till its auth
         self._secrets: dict[int, str] = {}  # rank -> a secret its channel may prove, once
         self.handlers = {
             "init": self._on_init,
@@ -297,6 +300,8 @@ class Server:
             if now >= next_tick:
                 self._execute(self.rounds.tick(now))
                 self._report_stalls(now)
+                if self._listener is not None:
+                    self._channel_ticks(now)
                 next_tick = now + tick
 
     def close(self) -> None:
@@ -331,6 +336,8 @@ class Server:
                 self._lost.discard(f"worker-{rank}".encode())
                 for where in [w for w in self._shm_of if w[0] == rank]:
                     del self._shm_of[where]
+                if self._listener is not None:
+                    self._close_channels_of(rank, body["epoch"])
         if type(left) is int and 0 <= left < self.num_workers:
             self._execute(self.rounds.leave(left, time.monotonic()))
         if type(joined) is int and 0 <= joined < self.num_workers:
@@ -449,16 +456,26 @@ class Server:
     def _serve_channels(self, events: dict) -> None:
         """New connections, their proofs, requests, and queued replies to write."""
         if self._listener.fd in events:
-            for chan in self._listener.accept(self.cfg.max_message):
+            chans, failed = self._listener.accept(self.cfg.max_message)
+            now = time.monotonic()
+            for chan in chans:
+                if len(self._unproved) >= 64:  # strangers' connections: never many
+                    chan.close()
+                    continue
                 self._channels[chan.fd] = chan
+                self._unproved[chan.fd] = now
                 self._poller.register(chan.fd, zmq.POLLIN)
+            if failed:  # (EMFILE, say: the connection waits; its readiness would spin)
+                log.warning("%s: a same-host channel not accepted (%s)", self.name, failed)
+                self._poller.unregister(self._listener.fd)
+                self._listening = False
         for fd, chan in list(self._channels.items()):
             event = events.get(fd)
             if not event or chan.closed:  # (closed by an earlier request of this wake-up)
                 continue
             if event & zmq.POLLOUT:
                 self._flush_channel(chan)
-            if not event & (zmq.POLLIN | zmq.POLLERR):
+            if chan.closed or not event & (zmq.POLLIN | zmq.POLLERR):
                 continue
             if chan.rank < 0:
                 self._prove_channel(chan)
@@ -485,7 +502,8 @@ class Server:
             data = b""
         try:
             rank, secret = channel.parse_hello(data)
-            if not 0 <= rank < self.num_workers or self._secrets.get(rank) != secret:
+            mine = self._secrets.get(rank) if 0 <= rank < self.num_workers else None
+            if mine is None or not hmac.compare_digest(mine.encode(), secret.encode()):
                 raise ValueError(f"a channel claiming worker {rank} with a wrong secret")
         except ValueError as exc:
             if data:
@@ -495,7 +513,8 @@ class Server:
         del self._secrets[rank]
         self._channel_count += 1
         identity = b"%s/channel-%d" % (self._names[rank].encode(), self._channel_count)
-        chan.rank, chan.identity = rank, identity
+        chan.rank, chan.identity, chan.epoch = rank, identity, self.members_epoch
+        del self._unproved[chan.fd]
         try:
             chan.sock.send(b"ok")
         except OSError:
@@ -533,7 +552,27 @@ class Server:
         if not chan.backlog:
             self._poller.modify(chan.fd, zmq.POLLIN)
 
+    def _channel_ticks(self, now: float) -> None:
+        """Close connections not proved within 10 s; listen again after a failed accept."""
+        for fd in [fd for fd, t in self._unproved.items() if now - t > 10]:
+            self._close_channel(self._channels[fd])
+        if not self._listening:
+            self._listening = True
+            self._poller.register(self._listener.fd, zmq.POLLIN)
+
+    def _close_channels_of(self, rank: int, epoch: int) -> None:
+        """An elastic slot changed hands at ``epoch``: the channels its holder proved before
+        are closed (a frozen worker's queued requests never count for its successor), and
+        the secrets it was given are void."""
+        self._secrets.pop(rank, None)
+        for connection in [c for c, (r, _) in self._offered.items() if r == rank]:
+            del self._offered[connection]
+        for chan in list(self._channels.values()):
+            if chan.rank == rank and chan.epoch < epoch:
+                self._close_channel(chan)
+
     def _close_channel(self, chan: channel.Channel) -> None:
+        self._unproved.pop(chan.fd, None)
         if self._channels.pop(chan.fd, None) is not None:
             self._poller.unregister(chan.fd)
         if self._channel_of.pop(chan.identity, None) is not None:
@@ -981,7 +1020,9 @@ class Server:
             secret = secrets.token_hex(16)
             reply["channel"] = [channel.wire_address(self._listener.address), secret]
             if proving:  # good once this connection proves the rank's token (_on_auth)
-                self._offered[rank] = (self._connection[0], secret)
+                while len(self._offered) >= 4 * self.num_workers + 1000:  # strangers' hellos
+                    self._offered.pop(next(iter(self._offered)))
+                self._offered[self._connection[0]] = (rank, secret)
             else:
                 self._secrets[rank] = secret
         if proving:
@@ -1005,8 +1046,8 @@ class Server:
             self.gate.refuse(_peer_of(frame), f"{identity.decode()}: {wrong}")
             raise auth.Refused(f"auth refused: {wrong}")
         self._proved[rank] = connection
-        offered = self._offered.pop(rank, None)
-        if offered is not None and offered[0] == connection:
+        offered = self._offered.pop(connection, None)
+        if offered is not None and offered[0] == rank:
             self._secrets[rank] = offered[1]
         self._send(identity, Message("ack", msg.id, self.name))
 

@@ -21,6 +21,7 @@ so a late reply never writes into the caller's arrays.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
 import os
@@ -189,6 +190,9 @@ class DistStore(KVStore):
         # same-host servers' channels (kvstore.channel): by server, and the server by fd
         self._channels: dict[int, channel.Channel] = {}
         self._channel_fds: dict[int, int] = {}
+        # replies read from a channel and not yet handled: one per turn of the wait loop, as
+        # ZeroMQ gives them (a reply that raises leaves the next ones for the next wait)
+        self._inbox: collections.deque = collections.deque()
         # row-sparse keys (dist_sync): the last push's rows come back with its reply when the
         # key's last push was followed by a row_sparse_pull of its ids (see _pull_from_push)
         self._rows_back: dict = {}  # key -> _RowsBack of the last push, until the next send
@@ -328,7 +332,7 @@ class DistStore(KVStore):
         """Talk to a same-host server by its channel from now on (kvstore.channel); where
         that fails (another network namespace, say), by ZeroMQ as before."""
         try:
-            chan = channel.connect(address, self._rank, secret, self.cfg.request_timeout)
+            chan = channel.connect(address, self._rank, secret, min(self.cfg.request_timeout, 30))
         except OSError as exc:
             log.info("%s: no same-host channel (%s): TCP", self._server_name(server), exc)
             return
@@ -394,13 +398,13 @@ class DistStore(KVStore):
 
     def _send_to(self, server: int, msg: Message) -> list:
         """Send ``msg`` to that very server: by its channel if it has one (no trackers: what
-        the socket does not take at once is copied), else by ZeroMQ (its trackers). A
-        message to a server whose channel closed is lost, as with ZeroMQ (see below)."""
+        the socket does not take at once is copied and written by the channel's thread), else
+        by ZeroMQ (its trackers). A message to a server whose channel closed is lost, as with
+        ZeroMQ (see below)."""
         chan = self._channels.get(server)
         try:
             if chan is None:
                 return transport.send(self._sockets[server], msg)
-            queued = chan.backlog
             chan.send(encode_frames(msg)[0], bounded=False)  # (the caller's own data)
         except zmq.Again:
             raise PeerLostError(
@@ -414,8 +418,6 @@ class DistStore(KVStore):
             log.info("%s closed its same-host channel (%s)", self._server_name(server), exc)
             self._close_channel(server)
             return []
-        if chan.backlog and not queued:
-            self._poller.modify(chan.fd, zmq.POLLIN | zmq.POLLOUT)
         return []
 
     def _commit(self, what: str, outgoing: Iterable[Outgoing], collector=None) -> tuple[list, list]:
@@ -615,6 +617,9 @@ class DistStore(KVStore):
             if left <= 0:
                 raise PeerLostError(self._deadline_text(what, waiting, answer))
             timeout = left
+            if self._inbox:  # a reply read with others from a channel: one a turn
+                self._on_reply(self._inbox.popleft(), what)
+                continue
             if trackers:  # wake the moment ZeroMQ lets go of a buffer, not a tick later
                 try:
                     trackers[0].wait(min(left, 0.05))
@@ -633,24 +638,18 @@ class DistStore(KVStore):
                     self._on_reply(transport.recv(sock), what)
 
     def _on_channel(self, fd: int, event: int, what: str) -> None:
-        """A server's channel: write what was queued, read its replies; at its end, close it
-        (the scheduler says whether the server failed)."""
+        """A server's channel: its replies go to the inbox; at its end, close it (the
+        scheduler says whether the server failed)."""
         server = self._channel_fds.get(fd)
         if server is None:  # closed by an earlier event of this poll
             return
         chan = self._channels[server]
         try:
-            if event & zmq.POLLOUT:
-                chan.flush()
-                if not chan.backlog:
-                    self._poller.modify(fd, zmq.POLLIN)
-            messages = chan.receive() if event & (zmq.POLLIN | zmq.POLLERR) else ()
+            self._inbox.extend(chan.receive())
         except (OSError, ValueError) as exc:
             log.warning("%s: channel to %s: %s", what, self._server_name(server), exc)
             self._close_channel(server)
             return
-        for frames in messages:
-            self._on_reply(frames, what)
         if chan.closed:
             log.info("%s: %s closed its same-host channel", what, self._server_name(server))
             self._close_channel(server)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,14 +48,14 @@ def test_a_malformed_datagram_is_refused():
     with pytest.raises(ValueError, match="no header"):
         channel.Assembler().feed(b"\x01")
     good = first([b"abc", b"de"])
-    with pytest.raises(ValueError, match="do not add up"):  # total 5, frames 2 + 2
-        channel.Assembler().feed(good[:12] + struct.pack("<QQ", 2, 2) + good[28:])
+    with pytest.raises(ValueError, match="do not add up"):  # body 16: frames 8 + 8 padded
+        channel.Assembler().feed(good[:12] + struct.pack("<QQ", 3, 9) + good[28:])
     with pytest.raises(ValueError, match="announced"):
         channel.Assembler().feed(good + b"x")
     with pytest.raises(ValueError, match="KVSTORE_MAX_MESSAGE"):
         channel.Assembler(limit=100).feed(first([bytes(101), b""]))
     with pytest.raises(ValueError, match="frames and"):
-        channel.Assembler(limit=100).feed(first([bytes(101)]))
+        channel.Assembler(limit=100).feed(first([bytes(300)]))
     with pytest.raises(ValueError, match="frames and"):
         channel.Assembler().feed(struct.pack("<QI", 0, channel.MAX_FRAMES + 1))
     with pytest.raises(ValueError, match="not \\[rank, secret\\]"):
@@ -64,10 +65,10 @@ def test_a_malformed_datagram_is_refused():
 def test_a_header_longer_than_a_datagram():
     frames = [bytes([i % 7]) for i in range(channel.CHUNK // 8 + 10)]
     grams = channel.datagrams(frames)
-    assert len(grams) == 2
+    assert len(grams) == 3  # the header alone fills more than one
     assembler = channel.Assembler()
-    assert assembler.feed(b"".join(grams[0])) is None
-    assert [bytes(f) for f in assembler.feed(b"".join(grams[1]))] == frames
+    assert [assembler.feed(b"".join(g)) for g in grams[:2]] == [None, None]
+    assert [bytes(f) for f in assembler.feed(b"".join(grams[2]))] == frames
 
 
 def _pair(limit: int = 2**32):
@@ -77,7 +78,7 @@ def _pair(limit: int = 2**32):
 
 def test_a_reader_that_lags_gets_everything_in_order():
     """Sends never wait: what the socket does not take is queued (copied), written by
-    flush, and read in order; past QUEUE_BYTES a send is refused, nothing queued."""
+    flush, and read in order; with QUEUE_MESSAGES waiting a bounded send is refused."""
     writer, reader = _pair()
     big = [bytes([i % 256]) * 50_000 for i in range(40)]  # far more than a socket holds
     for i, payload in enumerate(big):
@@ -91,13 +92,31 @@ def test_a_reader_that_lags_gets_everything_in_order():
             break
     assert [bytes(f[0]) for f in got] == [b"head %d" % i for i in range(40)]
     assert [bytes(f[1]) for f in got] == big
-    old = channel.QUEUE_BYTES
-    try:
-        channel.QUEUE_BYTES = 300_000
-        results = [writer.send([bytes(100_000)]) for _ in range(10)]
-        assert results[0] and not all(results)
-    finally:
-        channel.QUEUE_BYTES = old
+    sent = [writer.send([bytes(1000)]) for _ in range(channel.QUEUE_MESSAGES + 400)]
+    assert all(sent[:200]) and not all(sent)  # the socket took some, the queue 1000
+    assert not writer.send([bytes(10)]) and writer.send([bytes(10)], bounded=False)
+    writer.close()
+    reader.close()
+
+
+def test_a_workers_queue_goes_out_while_it_does_something_else():
+    """A worker's channel writes what the socket did not take from a thread (as ZeroMQ's
+    I/O thread would), so a push goes out while its caller computes; frames arrive whole,
+    in order and 8-byte aligned."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    writer, reader = channel.Channel(a, background=True), channel.Channel(b)
+    payloads = [bytes([i]) * (100_000 + i) for i in range(30)]
+    for i, payload in enumerate(payloads):
+        writer.send([b"%d" % i, b"x" * (i % 9), payload], bounded=False)
+    assert writer.backlog  # nobody reads yet: the thread waits for room
+    got = []
+    assert poll_until(lambda: got.extend(reader.receive()) or len(got) == 30, 20)
+    assert [bytes(f[2]) for f in got] == payloads
+    assert [bytes(f[1]) for f in got] == [b"x" * (i % 9) for i in range(30)]
+    for frames in got:
+        for frame in frames:
+            assert np.frombuffer(frame, np.uint8).ctypes.data % 8 == 0
+    assert poll_until(lambda: not writer.backlog, 5)
     writer.close()
     reader.close()
 
