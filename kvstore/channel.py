@@ -25,8 +25,8 @@ A reader that stops reading is flow control, as with ZeroMQ's queues: a send nev
 what does not fit is copied and queued, and written when the socket is writable (by the
 server's poll loop; by a worker's drain thread, which runs only while its queue is not
 empty). A server's queue to one worker holds 1000 messages at most, ZeroMQ's high-water
-mark: beyond it the replies are dropped, as a full ZeroMQ queue drops them. A worker's is
-not bounded: it holds the worker's own calls, which wait for their replies. The end of a
+mark: beyond it a server drops its replies, and a worker's call fails ("is it alive?"), as
+with a full ZeroMQ queue. The end of a
 connection (a peer that died or closed) is read as an empty datagram; the scheduler still
 decides what a lost peer means.
 """
@@ -132,6 +132,28 @@ class Assembler:
         return frames
 
 
+class Queued:
+    """A message left in a channel's queue, as a ZeroMQ tracker: :attr:`done` once written
+    (or the channel closed or broke: then it is lost, as with a dead ZeroMQ peer). A
+    worker's push waits for it, so a reader that stops reading slows the writer down and
+    the writer's wait loop hears the scheduler meanwhile, as a zero-copy ZeroMQ send's."""
+
+    __slots__ = ("_chan", "_seq")
+
+    def __init__(self, chan: Channel, seq: int):
+        self._chan, self._seq = chan, seq
+
+    @property
+    def done(self) -> bool:
+        chan = self._chan
+        return chan.written >= self._seq or chan.closed or bool(chan.broken)
+
+    def wait(self, timeout: float) -> None:
+        """Until done or ``timeout`` seconds (no error either way)."""
+        with self._chan.progress:
+            self._chan.progress.wait_for(lambda: self.done, timeout)
+
+
 class Channel:
     """One end of a connection: :meth:`send` a message's frames, :meth:`receive` messages.
 
@@ -150,7 +172,10 @@ class Channel:
         self._lock = threading.Lock()  # the queue, between a worker and its drain thread
         self._out: collections.deque = collections.deque()  # (datagram copy, ends a message)
         self._messages = 0  # messages with a datagram in the queue
+        self.queued = self.written = 0  # messages ever queued, and of those written
+        self.progress = threading.Condition(self._lock)  # notified as the queue drains
         self._draining = False
+        self.broken = ""  # why the drain thread could not write (the peer is gone)
         self.rank = -1  # a server's: the worker it proved to be (-1: not yet)
         self.identity = b""
         self.epoch = 0  # a server's: the membership epoch it was proved in
@@ -160,13 +185,16 @@ class Channel:
         """Datagrams queued to write when the socket is writable (:meth:`flush`)."""
         return bool(self._out)
 
-    def send(self, frames: list, bounded: bool = True) -> bool:
-        """Write a message without waiting; what does not fit now is copied and queued. False
-        (nothing queued) when ``bounded`` and :data:`QUEUE_MESSAGES` wait already (a
-        server's replies to a worker that does not read them, as ZeroMQ's high-water mark).
-        ``OSError`` when the peer is gone."""
+    def send(self, frames: list) -> bool | Queued:
+        """Write a message without waiting: True, or what does not fit now is copied and
+        queued (a :class:`Queued`, done once written). False (nothing queued) when
+        :data:`QUEUE_MESSAGES` wait already (ZeroMQ's high-water mark: a reader that does not
+        read, or a frozen one). ``OSError`` when the peer is gone (found by this write or by
+        the drain thread's)."""
         grams = datagrams(frames)
         with self._lock:
+            if self.broken:
+                raise BrokenPipeError(self.broken)
             i = 0
             if not self._out:
                 try:
@@ -177,15 +205,16 @@ class Channel:
                     pass
             if i == len(grams):
                 return True
-            if bounded and self._messages >= QUEUE_MESSAGES:
+            if self._messages >= QUEUE_MESSAGES:
                 return False
             last = len(grams) - 1
             self._out.extend((b"".join(grams[k]), k == last) for k in range(i, len(grams)))
             self._messages += 1
+            self.queued += 1
             if self.background and not self._draining:
                 self._draining = True
                 threading.Thread(target=self._drain, name="kvstore-channel", daemon=True).start()
-        return True
+            return Queued(self, self.queued)
 
     def flush(self) -> None:
         """Write queued datagrams while the socket takes them."""
@@ -196,8 +225,14 @@ class Channel:
                     self.sock.send(data)
                 except BlockingIOError:
                     return
-                self._out.popleft()
-                self._messages -= last
+                self._written(last)
+
+    def _written(self, last: bool) -> None:
+        self._out.popleft()
+        if last:
+            self._messages -= 1
+            self.written += 1
+            self.progress.notify_all()
 
     def _drain(self) -> None:
         """A worker's queue, written as the socket takes it (a thread; ends when it is
@@ -206,6 +241,7 @@ class Channel:
             with self._lock:
                 if not self._out or self.closed:
                     self._draining = False
+                    self.progress.notify_all()
                     return
                 data, last = self._out[0]
             try:
@@ -213,13 +249,15 @@ class Channel:
                 self.sock.send(data)
             except BlockingIOError:
                 continue
-            except (OSError, ValueError):  # closed, or the peer is gone
+            except (OSError, ValueError) as exc:  # closed, or the peer is gone
                 with self._lock:
                     self._draining = False
+                    if not self.closed:  # the next send raises it
+                        self.broken = str(exc) or type(exc).__name__
+                    self.progress.notify_all()
                 return
             with self._lock:
-                self._out.popleft()
-                self._messages -= last
+                self._written(last)
 
     def receive(self, limit: int = 64) -> list:
         """The complete messages readable now (at most ``limit`` datagrams read). At the end

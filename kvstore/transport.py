@@ -27,8 +27,8 @@ COPY_BELOW = zmq.COPY_THRESHOLD
 
 @dataclass(frozen=True)
 class Sent:
-    array: int  # index of the array in the message
-    tracker: zmq.MessageTracker
+    array: int  # index of the array in the message (-1: a channel's message)
+    tracker: zmq.MessageTracker  # or a kvstore.channel.Queued: the same done and wait
 
     @property
     def done(self) -> bool:

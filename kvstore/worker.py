@@ -397,15 +397,17 @@ class DistStore(KVStore):
         return self._send_to(self._route[server], msg)
 
     def _send_to(self, server: int, msg: Message) -> list:
-        """Send ``msg`` to that very server: by its channel if it has one (no trackers: what
-        the socket does not take at once is copied and written by the channel's thread), else
-        by ZeroMQ (its trackers). A message to a server whose channel closed is lost, as with
+        """Send ``msg`` to that very server: by its channel if it has one (what the socket does
+        not take at once is copied and written by the channel's thread: a tracker of that),
+        else by ZeroMQ (its trackers). A message to a server whose channel closed is lost, as with
         ZeroMQ (see below)."""
         chan = self._channels.get(server)
         try:
             if chan is None:
                 return transport.send(self._sockets[server], msg)
-            chan.send(encode_frames(msg)[0], bounded=False)  # (the caller's own data)
+            taken = chan.send(encode_frames(msg)[0])
+            if not taken:
+                raise zmq.Again
         except zmq.Again:
             raise PeerLostError(
                 f"{msg.kind}: cannot send to {self._server_name(server)}: its queue "
@@ -418,7 +420,7 @@ class DistStore(KVStore):
             log.info("%s closed its same-host channel (%s)", self._server_name(server), exc)
             self._close_channel(server)
             return []
-        return []
+        return [] if taken is True else [transport.Sent(-1, taken)]
 
     def _commit(self, what: str, outgoing: Iterable[Outgoing], collector=None) -> tuple[list, list]:
         """Carry out a plan: write the shared segments, send every message as the plan gives

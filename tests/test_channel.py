@@ -94,7 +94,7 @@ def test_a_reader_that_lags_gets_everything_in_order():
     assert [bytes(f[1]) for f in got] == big
     sent = [writer.send([bytes(1000)]) for _ in range(channel.QUEUE_MESSAGES + 400)]
     assert all(sent[:200]) and not all(sent)  # the socket took some, the queue 1000
-    assert not writer.send([bytes(10)]) and writer.send([bytes(10)], bounded=False)
+    assert not writer.send([bytes(10)])
     writer.close()
     reader.close()
 
@@ -106,9 +106,12 @@ def test_a_workers_queue_goes_out_while_it_does_something_else():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     writer, reader = channel.Channel(a, background=True), channel.Channel(b)
     payloads = [bytes([i]) * (100_000 + i) for i in range(30)]
-    for i, payload in enumerate(payloads):
-        writer.send([b"%d" % i, b"x" * (i % 9), payload], bounded=False)
+    taken = [writer.send([b"%d" % i, b"x" * (i % 9), p]) for i, p in enumerate(payloads)]
     assert writer.backlog  # nobody reads yet: the thread waits for room
+    last = taken[-1]
+    assert isinstance(last, channel.Queued) and not last.done
+    last.wait(0.05)  # (a tracker's wait: no error when not done)
+    assert not last.done
     got = []
     assert poll_until(lambda: got.extend(reader.receive()) or len(got) == 30, 20)
     assert [bytes(f[2]) for f in got] == payloads
@@ -116,9 +119,13 @@ def test_a_workers_queue_goes_out_while_it_does_something_else():
     for frames in got:
         for frame in frames:
             assert np.frombuffer(frame, np.uint8).ctypes.data % 8 == 0
-    assert poll_until(lambda: not writer.backlog, 5)
+    assert poll_until(lambda: not writer.backlog, 5) and all(t is True or t.done for t in taken)
+    writer.send([bytes(300_000)])  # more than the socket holds: the thread writes the rest
+    reader.close()  # the peer is gone: the thread's write fails, and the next send says so
+    assert poll_until(lambda: writer.broken, 5)
+    with pytest.raises(BrokenPipeError):
+        writer.send([b"x"])
     writer.close()
-    reader.close()
 
 
 def test_the_end_of_a_connection_is_read_as_closed():
