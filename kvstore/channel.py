@@ -21,14 +21,14 @@ little-endian) and the frames, each part padded to 8 bytes, cut into datagrams o
 :data:`CHUNK` bytes (the kernel caps a datagram near the socket's send buffer).
 :func:`datagrams` and :class:`Assembler` do that without I/O.
 
-A reader that stops reading is flow control, as with ZeroMQ's queues: a send never waits;
-what does not fit is copied and queued, and written when the socket is writable (by the
-server's poll loop; by a worker's drain thread, which runs only while its queue is not
-empty). A server's queue to one worker holds 1000 messages at most, ZeroMQ's high-water
-mark: beyond it a server drops its replies, and a worker's call fails ("is it alive?"), as
-with a full ZeroMQ queue. The end of a
-connection (a peer that died or closed) is read as an empty datagram; the scheduler still
-decides what a lost peer means.
+A reader that stops reading is flow control, as with ZeroMQ's queues: a send never blocks;
+what does not fit is copied and queued (a :class:`Queued`, a tracker a worker's push waits
+for), and written when the socket is writable (by the server's poll loop; by a worker's
+drain thread, which runs only while its queue is not empty). A queue holds 1000 messages at
+most, ZeroMQ's high-water mark: beyond it a server drops its replies, and a worker's call
+fails ("is it alive?"), as with a full ZeroMQ queue. The end of a connection (a peer that
+died or closed) is read as an empty datagram; the scheduler still decides what a lost peer
+means.
 """
 
 from __future__ import annotations
