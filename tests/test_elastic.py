@@ -1070,7 +1070,7 @@ def test_optimizer_calls_of_a_slot_s_next_holder_and_of_mxnet_s_two_steps():
     s._send = lambda identity, msg, keys=None, track=True: s.sent.append(msg)
     s.cfg = SimpleNamespace(verbose=0)
     s.num_workers, s.members_epoch, s.gate, s._proved, s._shm_of = 2, 0, None, {}, {}
-    s._lost, s._deferred = set(), []
+    s._lost, s._deferred, s._listener = set(), [], None
     s.rounds = SimpleNamespace(leave=lambda *a: [], arrive=lambda *a: None)
     s._execute = lambda actions: None
     plain = opt.create("sgd", learning_rate=0.1).spec()

@@ -78,6 +78,7 @@ def replicated_server(W, rank=0, chains=((0, 1), (1, 0))):
     s._peer_ready = {b: True for b in s._targets[rank]}
     s._backlog, s._pusher, s._deferred, s._unsent = {}, None, [], set()
     s._lost, s._last_failure, s._peer_lost = set(), "", ""
+    s._listener = None  # no same-host channels (kvstore.channel)
     s.control = SimpleNamespace(metrics=None, send=lambda *a: None)
     s.gate = None
     s.sent, s.forwards = [], []
