@@ -274,12 +274,17 @@ class DistStore(KVStore):
         self._optimizer_sent = False  # an elastic newcomer's first set_optimizer keeps the job's
         self._pull_last: dict = {}  # (key, part) -> the last request answered through it
         self._no_segment: set = set()  # parts whose segment /dev/shm had no room for
-        self._planner.set_shm_servers(self._hello())
+        local = self._hello()
+        self._planner.set_shm_servers(local)
         log.info(
-            "worker %d of %d connected to %d servers",
+            "worker %d of %d connected to %d servers%s",
             self._rank,
             self._num_workers,
             len(self._servers),
+            f" ({len(local)} on this host: shared memory, and {len(self._channels)} by a "
+            "same-host channel)"
+            if local
+            else "",
         )
         # Horovod and MXNet scripts never close their store: close it when it is collected or
         # at exit, whichever comes first.
