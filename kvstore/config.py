@@ -57,6 +57,8 @@ class Config:
     shm: bool = True  # KVSTORE_SHM=0: big parts go through TCP even to a server on this host
     # KVSTORE_CHANNEL=0: same-host messages go by ZeroMQ over TCP, not by a Unix socket
     channel: bool = True
+    # KVSTORE_SCHED_BATCH=0: the roles keep the default CPU policy, not SCHED_BATCH (cpu.py)
+    sched_batch: bool = True
     max_message: int = 2**32  # bytes in one frame a server accepts (ZMQ_MAXMSGSIZE)
     metrics: bool = True  # KVSTORE_METRICS=0: no counters in the heartbeats
     status_port: int = -1  # KVSTORE_STATUS_PORT: the status page's port; -1 any free one, 0 off
@@ -115,6 +117,7 @@ class Config:
             encrypt=_flag(env, "KVSTORE_ENCRYPT"),
             shm=_flag(env, "KVSTORE_SHM", default=True),
             channel=_flag(env, "KVSTORE_CHANNEL", default=True),
+            sched_batch=_flag(env, "KVSTORE_SCHED_BATCH", default=True),
             max_message=_number(env, "KVSTORE_MAX_MESSAGE", 2**32, int, low=1024),
             metrics=_flag(env, "KVSTORE_METRICS", default=True),
             status_port=_number(env, "KVSTORE_STATUS_PORT", -1, int, low=-1, high=65535),

@@ -30,6 +30,7 @@ import zmq
 
 from . import auth, status, transport
 from . import metrics as node_metrics
+from .cpu import batch
 from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .errors import EXIT_CONFIG, EXIT_FAILED
 from .membership import Broadcast, Exit, Log, Membership, Send, StallSeen
@@ -297,6 +298,7 @@ def main() -> int:
         return EXIT_CONFIG
     setup_logging(cfg.verbose, "scheduler")
     warn_if_insecure(cfg, log)
+    batch(cfg.sched_batch)
     try:
         scheduler = Scheduler(cfg)
     except OSError as exc:  # the port is taken: permanent

@@ -37,6 +37,7 @@ from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
 from .half import add
+from .cpu import batch
 from .memory import trim, tune_allocator
 from .protocol import (
     Message,
@@ -2050,6 +2051,7 @@ def main() -> int:
     setup_logging(cfg.verbose, "server")
     warn_if_insecure(cfg, log)
     tune_allocator()
+    batch(cfg.sched_batch)
     try:
         server = Server(cfg)
     except OSError as exc:  # the port is taken: permanent

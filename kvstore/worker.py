@@ -40,6 +40,7 @@ from .arrays import namespace, reduce_sum, to_host
 from .config import Config, setup_logging, staleness_of, warn_if_insecure
 from .control import Control, raise_for
 from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
+from .cpu import batch
 from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError
@@ -128,6 +129,7 @@ def create_dist(kind: str, staleness: int | float | str | None = None) -> KVStor
     setup_logging(cfg.verbose, "worker")
     warn_if_insecure(cfg, log)
     tune_allocator()
+    batch(cfg.sched_batch)  # this thread, and the threads the store starts
     if staleness is not None:
         cfg = dataclasses.replace(cfg, staleness=staleness_of(staleness, "staleness"))
     return DistStore(kind, cfg)
