@@ -8,8 +8,11 @@ first pushed) and measures, per dim (16, 64, 256) and rows per request (1k, 4k, 
   waits for every round of this worker's pushes): rows pushed per second;
 - ``pull``: ``row_sparse_pull`` of REQ random rows: rows per second;
 - ``step``: a push of REQ rows then a ``row_sparse_pull`` of the same rows (MXNet's anchor
-  metric): rows per second, and the bytes of the rows (``REQ * dim * 4``) per second beside a
-  bare pyzmq round trip of the same bytes (``zmq_bound.py``) in the same run.
+  metric): rows per second, and the bytes of the rows (``REQ * dim * 4``) per second beside
+  bare pyzmq round trips of the same bytes in the same run (``zmq_bound.py``): between one
+  pair of processes with the machine to themselves (``zmq pair``), and by a bare job of
+  kvstore's shape (``zmq job``: W processes, each sending REQ / S rows' bytes to each of S
+  echo processes at once and waiting for them all back, per worker).
 
 Then the memory of one server's row store against touched rows (dim 64, with and without
 SGD momentum's state); with ``--job-memory`` the resident memory (VmRSS) of a whole job
@@ -47,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparse_floor  # noqa: E402
 from pushpull import SECURITY, free_port  # noqa: E402
-from zmq_bound import EchoServer, timed  # noqa: E402
+from zmq_bound import EchoServer, job_rates, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ANCHOR = Path("/work/shared/anchors/mxnet_ps.py")
@@ -339,33 +342,45 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
 
 
 def zmq_rows(args) -> list[dict]:
-    """A bare pyzmq round trip of each request's row bytes (REQ x dim x 4), as rows/s."""
+    """Bare pyzmq round trips of each request's row bytes (REQ x dim x 4), as rows/s: one
+    pair (``zmq``: one process sends them all to one echo process, nothing else running), and
+    a job of kvstore's shape (``zmq job``: W processes each send REQ / S rows' bytes to each
+    of S echo processes at once, and wait for them all back)."""
     rows = []
+
+    def record(config, dim, name, rates):
+        rows.append(
+            {
+                "op": "step",
+                "dim": dim,
+                "req": name,
+                "config": config,
+                "median": statistics.median(rates),
+                "min": min(rates),
+                "max": max(rates),
+                "n": len(rates),
+            }
+        )
+
+    shapes = [
+        (dim, name, REQS.get(name) or int(name))
+        for dim in [int(d) for d in args.dims.split(",") if d]
+        for name in args.reqs.split(",")
+    ]
     with EchoServer() as echo:
-        for dim in [int(d) for d in args.dims.split(",") if d]:
-            for name in args.reqs.split(","):
-                req = REQS.get(name) or int(name)
-                array = np.ones(req * dim, np.float32)
-                back = np.empty_like(array)
+        for dim, name, req in shapes:
+            array = np.ones(req * dim, np.float32)
+            back = np.empty_like(array)
 
-                def once(array=array, back=back):
-                    echo.sock.send(array, copy=False)
-                    back[...] = np.frombuffer(echo.sock.recv(copy=False).buffer, np.float32)
+            def once(array=array, back=back):
+                echo.sock.send(array, copy=False)
+                back[...] = np.frombuffer(echo.sock.recv(copy=False).buffer, np.float32)
 
-                times = timed(once, max(args.reps, 10), 2.0)
-                rates = [req / t for t in times]
-                rows.append(
-                    {
-                        "op": "step",
-                        "dim": dim,
-                        "req": name,
-                        "config": "zmq",
-                        "median": statistics.median(rates),
-                        "min": min(rates),
-                        "max": max(rates),
-                        "n": len(rates),
-                    }
-                )
+            record("zmq", dim, name, [req / t for t in timed(once, max(args.reps, 10), 2.0)])
+    for dim, name, req in shapes:
+        nbytes = -(-req // args.servers) * dim * 4
+        steps = job_rates(args.workers, args.servers, nbytes, max(args.reps, 20))
+        record("zmq job", dim, name, [req / t for t in steps])
     return rows
 
 
@@ -510,28 +525,35 @@ def table(results: list[dict], args) -> str:
         f"row-sparse, W={args.workers} S={args.servers} R={args.replicas} dist_sync, rows by "
         f"{args.sharding} "
         "(rows/s per worker; "
-        "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq: one round "
-        "trip of those bytes)",
+        "B/s = the better of push+pull and pushpull, rows/s x dim x 4; zmq pair: one "
+        "round trip of those bytes between two processes alone; zmq job: W processes each "
+        "sending them to S echo processes at once, kvstore's shape, per worker)",
         "",
     ]
     lines.append(
         f"{'dim':>4} {'rows/req':>8} {'push':>11} {'pull':>11} {'push+pull':>11} "
-        f"{'pushpull':>11} {'B/s':>9} {'zmq B/s':>9} {'vs zmq':>7}"
+        f"{'pushpull':>11} {'B/s':>9} {'zmq pair':>9} {'vs pair':>7} {'zmq job':>9} "
+        f"{'vs job':>7}"
     )
     ours = {(r["op"], r["dim"], r["req"]): r for r in results if r.get("config") == "kvstore"}
-    bound = {(r["dim"], r["req"]): r for r in results if r.get("config") == "zmq"}
+    bounds = {
+        (r["config"], r["dim"], r["req"]): r["median"] * r["dim"] * 4
+        for r in results
+        if r.get("config") in ("zmq", "zmq job")
+    }
     for (op, dim, req), r in ours.items():
         if op != "step":
             continue
-        z = bound.get((dim, req))
         best = max(r["median"], ours[("pushpull", dim, req)]["median"])
         nbytes = best * dim * 4
-        zbytes = z["median"] * dim * 4 if z else float("nan")
+        pair = bounds.get(("zmq", dim, req), float("nan"))
+        job = bounds.get(("zmq job", dim, req), float("nan"))
         lines.append(
             f"{dim:>4} {req:>8} {ours[('push', dim, req)]['median']:>11,.0f} "
             f"{ours[('pull', dim, req)]['median']:>11,.0f} {r['median']:>11,.0f} "
             f"{ours[('pushpull', dim, req)]['median']:>11,.0f} "
-            f"{nbytes / 1e6:>7.1f}MB {zbytes / 1e6:>7.1f}MB {nbytes / zbytes:>7.0%}"
+            f"{nbytes / 1e6:>7.1f}MB {pair / 1e6:>7.1f}MB {nbytes / pair:>7.0%} "
+            f"{job / 1e6:>7.1f}MB {nbytes / job:>7.0%}"
         )
     mx = [r for r in results if r.get("config") == "mxnet"]
     floor = {

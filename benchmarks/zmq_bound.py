@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 
 import numpy as np
 import zmq
 
+from kvstore.cpu import batch
 from kvstore.memory import tune_allocator
+
+BATCH = os.environ.get("KVSTORE_SCHED_BATCH", "1") != "0"  # kvstore's roles' CPU policy
 
 SIZES = {"4K": 4 << 10, "256K": 256 << 10, "4M": 4 << 20, "64M": 64 << 20}
 
@@ -31,6 +35,7 @@ def parse_sizes(text: str) -> dict:
 
 def _echo(port_queue) -> None:
     tune_allocator()  # the same allocator settings kvstore's processes use
+    batch(BATCH)  # and the same CPU policy
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     # no high-water mark: 1000 pipelined replies must not be dropped (a ROUTER drops what it
@@ -71,6 +76,66 @@ class EchoServer:
             self.proc.kill()
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+def _job_client(ports, nbytes, steps, barrier, results) -> None:
+    """One worker of :func:`job_rates`: each step sends ``nbytes`` to every echo server and
+    waits for them all to come back (copied out, as a pull's rows are)."""
+    tune_allocator()
+    batch(BATCH)
+    ctx = zmq.Context()
+    socks = []
+    for port in ports:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a lost reply is an error, not a hang
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(sock)
+    arrays = [np.ones(nbytes // 4, np.float32) for _ in ports]
+    back = [np.empty_like(a) for a in arrays]
+    times = []
+    for i in range(steps + 2):  # two untimed steps first, each side connected
+        if i == 2:
+            barrier.wait(60)
+        t0 = time.perf_counter()
+        for sock, a in zip(socks, arrays, strict=True):
+            sock.send(a, copy=False)
+        for sock, b in zip(socks, back, strict=True):
+            b[...] = np.frombuffer(sock.recv(copy=False).buffer, np.float32)
+        times.append(time.perf_counter() - t0)
+    results.put(times[2:])
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def job_rates(workers: int, servers: int, nbytes: int, steps: int) -> list[float]:
+    """Seconds per step of a bare ZeroMQ job of kvstore's shape: ``workers`` processes each
+    sending ``nbytes`` to each of ``servers`` echo processes at once and waiting for them
+    all, every worker ``steps`` times. Per step, the mean over workers of its seconds."""
+    spawn = mp.get_context("spawn")
+    queue, results, barrier = spawn.Queue(), spawn.Queue(), spawn.Barrier(workers)
+    echoes = [spawn.Process(target=_echo, args=(queue,), daemon=True) for _ in range(servers)]
+    clients = []
+    try:
+        for p in echoes:
+            p.start()
+        ports = [queue.get(timeout=30) for _ in echoes]
+        clients = [
+            spawn.Process(
+                target=_job_client, args=(ports, nbytes, steps, barrier, results), daemon=True
+            )
+            for _ in range(workers)
+        ]
+        for p in clients:
+            p.start()
+        per_worker = [results.get(timeout=300) for _ in clients]
+    finally:
+        for p in echoes + clients:  # by PID, whatever happened
+            p.join(0.5) if p in clients else None
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    return [statistics.fmean(step) for step in zip(*per_worker, strict=True)]
 
 
 def timed(fn, reps: int, budget: float, warmup: int = 2) -> list[float]:

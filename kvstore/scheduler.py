@@ -30,8 +30,8 @@ import zmq
 
 from . import auth, status, transport
 from . import metrics as node_metrics
-from .cpu import batch
 from .config import Config, bind_host, setup_logging, warn_if_insecure
+from .cpu import batch
 from .errors import EXIT_CONFIG, EXIT_FAILED
 from .membership import Broadcast, Exit, Log, Membership, Send, StallSeen
 from .protocol import Message, ProtocolError, decode, error_reply, request_id

@@ -35,9 +35,9 @@ from . import optimizer as opt
 from .compression import Compression, PullCodes, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
 from .control import Control
+from .cpu import batch
 from .errors import EXIT_AUTH, EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, KVStoreError, exit_code_of
 from .half import add
-from .cpu import batch
 from .memory import trim, tune_allocator
 from .protocol import (
     Message,

@@ -39,8 +39,8 @@ from . import auth, channel, metrics, shm, sparse, transport
 from .arrays import namespace, reduce_sum, to_host
 from .config import Config, setup_logging, staleness_of, warn_if_insecure
 from .control import Control, raise_for
-from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .cpu import batch
+from .errors import ConfigError, KVStoreError, PeerLostError, exit_code_of
 from .memory import tune_allocator
 from .optimizer import Optimizer
 from .plan import Collector, Outgoing, Planner, ReplyError

@@ -115,9 +115,9 @@ def test_sparse_benchmark_smoke():
     seen = {(r["config"], r["op"]) for r in rows}
     for op in ("push", "pull", "step", "pushpull"):
         assert ("kvstore", op) in seen, seen
-    assert ("zmq", "step") in seen
+    assert ("zmq", "step") in seen and ("zmq job", "step") in seen
     assert all(r["median"] > 0 for r in rows)
-    assert "vs zmq" in stdout
+    assert "vs pair" in stdout and "vs job" in stdout
 
 
 def _floor_dirs() -> set:

@@ -24,9 +24,7 @@ def test_every_role_runs_under_sched_batch_unless_turned_off(cluster, flag):
     want = os.SCHED_BATCH if flag == "1" else os.SCHED_OTHER
     pids = [c.procs[n].pid for n in ("scheduler", "server0", "server1")]
     # each takes its policy at start; a role that never does fails here after 30 s
-    assert poll_until(lambda: all(_policy(p) == want for p in pids), 30), [
-        _policy(p) for p in pids
-    ]
+    assert poll_until(lambda: all(_policy(p) == want for p in pids), 30), [_policy(p) for p in pids]
     outs = c.run_workers("policy.py", timeout=60)
     name = "batch" if flag == "1" else "other"
     for out in outs:  # the caller's thread and those started after; not those before
