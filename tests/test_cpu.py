@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-from tests.cluster import poll_until
-
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "SCHED_BATCH") or sys.platform != "linux", reason="Linux's SCHED_BATCH"
 )
@@ -22,12 +20,16 @@ def _policy(pid: int) -> int:
 def test_every_role_runs_under_sched_batch_unless_turned_off(cluster, flag):
     c = cluster(2, 2, KVSTORE_SCHED_BATCH=flag)
     want = os.SCHED_BATCH if flag == "1" else os.SCHED_OTHER
-    pids = [c.procs[n].pid for n in ("scheduler", "server0", "server1")]
-    # each takes its policy at start; a role that never does fails here after 30 s
-    assert poll_until(lambda: all(_policy(p) == want for p in pids), 30), [_policy(p) for p in pids]
-    outs = c.run_workers("policy.py", timeout=60)
+    workers = c.start_workers("policy.py", [3])
+    # once a worker has done a round, every role is past its start: read them while they run
+    c.wait_for_output("worker0", "policy", 60)
+    c.wait_for_output("worker1", "policy", 60)
+    roles = {n: _policy(c.procs[n].pid) for n in ("scheduler", "server0", "server1")}
+    assert all(p == want for p in roles.values()), roles
+    assert c.wait(workers, 60) == [0, 0], c.dump()
     name = "batch" if flag == "1" else "other"
-    for out in outs:  # the caller's thread and those started after; not those before
+    for i in range(2):  # the caller's thread and those started after; not those before
+        out = c.output(f"worker{i}")
         assert f"policy caller={name} later={name} earlier=other" in out, out
 
 

@@ -1,9 +1,12 @@
 """Print the CPU policy of this worker's threads after the store is created (kvstore.cpu):
 the caller's, one the caller starts later, and a thread the caller started before. Then a
-round, checked, so that the policy changes nothing else."""
+round, checked, so that the policy changes nothing else; then stay argv[1] seconds (the test
+reads the servers' policies meanwhile)."""
 
 import os
+import sys
 import threading
+import time
 
 import numpy as np
 
@@ -39,4 +42,5 @@ print(
     flush=True,
 )
 stop.set()
+time.sleep(float(sys.argv[1]))  # the idle time itself, not a wait for something
 kv.close()
