@@ -20,7 +20,7 @@ def _policy(pid: int) -> int:
 def test_every_role_runs_under_sched_batch_unless_turned_off(cluster, flag):
     c = cluster(2, 2, KVSTORE_SCHED_BATCH=flag)
     want = os.SCHED_BATCH if flag == "1" else os.SCHED_OTHER
-    workers = c.start_workers("policy.py", [3])
+    workers = c.start_workers("policy.py", [1])
     # once a worker has done a round, every role is past its start: read them while they run
     c.wait_for_output("worker0", "policy", 60)
     c.wait_for_output("worker1", "policy", 60)
