@@ -1007,3 +1007,28 @@ def test_an_older_checkpoint_loaded_mid_training_keeps_ages_from_now():
     assert table.step == 20
     assert {1, 4} <= set(table.changed_since(19)[0].tolist())
     assert table.cand_ids.tolist() == [7] and table.cand_last.tolist() == [20]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "float32", "float64", "complex64"]),
+    given_dtype=st.sampled_from(["same", "float64"]),
+    dim=st.integers(0, 6),
+    rows=st.integers(1, 12),
+    picks=st.lists(st.integers(0, 11), max_size=12, unique=True),
+    strided=st.booleans(),
+)
+def test_whole_row_scatter_is_numpy_s(dtype, given_dtype, dim, rows, picks, strided):
+    """sparse._scatter (rows moved whole through a void view) writes what ``block[where] =
+    rows`` writes, bit for bit, for contiguous rows, strided ones and another dtype (cast)."""
+    dtype = np.dtype(dtype)
+    where = np.array([p for p in picks if p < rows], np.int32)
+    src_dtype = dtype if given_dtype == "same" else np.dtype(given_dtype)
+    rng = np.random.default_rng(dim * 100 + rows)
+    source = rng.standard_normal((where.size, 2 * dim)).astype(src_dtype)
+    given_rows = source[:, ::2] if strided else np.ascontiguousarray(source[:, :dim])
+    ours = rng.standard_normal((rows, dim)).astype(dtype)
+    theirs = ours.copy()
+    sparse._scatter(ours, where, given_rows)
+    theirs[where] = given_rows
+    assert ours.tobytes() == theirs.tobytes()
