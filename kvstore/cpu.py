@@ -5,7 +5,7 @@ Why: a parameter server's processes wake each other all the time (a push wakes a
 reply wakes the worker). Under the default policy a woken thread preempts the thread that woke
 it when it can, so a server that has just answered one worker is put aside before it answers
 the next, and a worker before it has sent its push to every server. With 4 processes on 2
-cores, that cost MXNet's anchor step (benchmarks/sparse.py) 15-30% of its rows/s. A
+cores, that cost MXNet's anchor step (benchmarks/sparse.py) 18-24% of its rows/s. A
 ``SCHED_BATCH`` thread gets the same share of the CPU (``nice`` is kept) but does not preempt
 the one that woke it: it runs at the waker's next wait, or on an idle core at once.
 
