@@ -35,9 +35,12 @@ def batch(enabled: bool = True) -> bool:
         if now == policy:
             return True
         if now != os.SCHED_OTHER:
+            names = {getattr(os, n, None): n for n in ("SCHED_FIFO", "SCHED_RR", "SCHED_IDLE")}
+            log.info("CPU policy: %s kept (not made SCHED_BATCH)", names.get(now, now))
             return False
         os.sched_setscheduler(0, policy, os.sched_param(0))
     except OSError as exc:  # (a seccomp profile that refuses it)
-        log.debug("SCHED_BATCH refused (%s): the default policy stays", exc)
+        log.info("CPU policy: SCHED_BATCH refused (%s); the default policy stays", exc)
         return False
+    log.info("CPU policy: SCHED_BATCH (KVSTORE_SCHED_BATCH=0 keeps the default)")
     return True

@@ -18,7 +18,7 @@ def _policy(pid: int) -> int:
 
 @pytest.mark.parametrize("flag", ["1", "0"])
 def test_every_role_runs_under_sched_batch_unless_turned_off(cluster, flag):
-    c = cluster(2, 2, KVSTORE_SCHED_BATCH=flag)
+    c = cluster(2, 2, KVSTORE_SCHED_BATCH=flag, PS_VERBOSE="1")
     want = os.SCHED_BATCH if flag == "1" else os.SCHED_OTHER
     workers = c.start_workers("policy.py", [1])
     # once a worker has done a round, every role is past its start: read them while they run
@@ -27,6 +27,9 @@ def test_every_role_runs_under_sched_batch_unless_turned_off(cluster, flag):
     roles = {n: _policy(c.procs[n].pid) for n in ("scheduler", "server0", "server1")}
     assert all(p == want for p in roles.values()), roles
     assert c.wait(workers, 60) == [0, 0], c.dump()
+    said = "CPU policy: SCHED_BATCH (KVSTORE_SCHED_BATCH=0 keeps the default)"
+    for role in ("scheduler", "server0", "worker0"):  # PS_VERBOSE=1 says so
+        assert (said in c.output(role)) == (flag == "1"), c.output(role)
     name = "batch" if flag == "1" else "other"
     for i in range(2):  # the caller's thread and those started after; not those before
         out = c.output(f"worker{i}")
