@@ -22,8 +22,8 @@ def test_every_role_runs_under_sched_batch_unless_turned_off(cluster, flag):
     want = os.SCHED_BATCH if flag == "1" else os.SCHED_OTHER
     workers = c.start_workers("policy.py", [1])
     # once a worker has done a round, every role is past its start: read them while they run
-    c.wait_for_output("worker0", "policy", 60)
-    c.wait_for_output("worker1", "policy", 60)
+    c.wait_for_output("worker0", "policy caller=", 60)
+    c.wait_for_output("worker1", "policy caller=", 60)
     roles = {n: _policy(c.procs[n].pid) for n in ("scheduler", "server0", "server1")}
     assert all(p == want for p in roles.values()), roles
     assert c.wait(workers, 60) == [0, 0], c.dump()
