@@ -48,10 +48,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvstore.config import sched_batch_of  # noqa: E402
 from kvstore.cpu import batch  # noqa: E402
 from kvstore.memory import tune_allocator  # noqa: E402
-
-BATCH = os.environ.get("KVSTORE_SCHED_BATCH", "1") != "0"  # kvstore's roles' CPU policy
 
 DESIGNS = ("zmq", "zmq-whole", "zmq-block", "pipe-block")
 CHECKED = 5  # the last steps each worker checks
@@ -203,7 +202,7 @@ def _channel(cfg: dict, me: str, index: int) -> _Zmq | _Pipes:
 
 def server(s: int, cfg: dict) -> None:
     tune_allocator()  # kvstore's processes' allocator settings
-    batch(BATCH)  # and CPU policy
+    batch(sched_batch_of(os.environ))  # and CPU policy
     workers, dim, req = cfg["workers"], cfg["dim"], cfg["req"]
     by_hash, whole_rows, workers_read_block = _choices(cfg)
     local = _local_rows(cfg, s)
@@ -276,7 +275,7 @@ def _check(w: int, cfg: dict, pulled: list[np.ndarray], steps: int) -> None:
 
 def worker(w: int, cfg: dict, barrier, results) -> None:
     tune_allocator()
-    batch(BATCH)
+    batch(sched_batch_of(os.environ))
     servers, dim, req = cfg["servers"], cfg["dim"], cfg["req"]
     by_hash, whole_rows, workers_read_block = _choices(cfg)
     edges = _edges(cfg["rows"], servers)

@@ -21,10 +21,9 @@ import time
 import numpy as np
 import zmq
 
+from kvstore.config import sched_batch_of
 from kvstore.cpu import batch
 from kvstore.memory import tune_allocator
-
-BATCH = os.environ.get("KVSTORE_SCHED_BATCH", "1") != "0"  # kvstore's roles' CPU policy
 
 SIZES = {"4K": 4 << 10, "256K": 256 << 10, "4M": 4 << 20, "64M": 64 << 20}
 
@@ -35,7 +34,7 @@ def parse_sizes(text: str) -> dict:
 
 def _echo(port_queue) -> None:
     tune_allocator()  # the same allocator settings kvstore's processes use
-    batch(BATCH)  # and the same CPU policy
+    batch(sched_batch_of(os.environ))  # and the same CPU policy
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     # no high-water mark: 1000 pipelined replies must not be dropped (a ROUTER drops what it
@@ -82,7 +81,7 @@ def _job_client(ports, nbytes, steps, barrier, results) -> None:
     """One worker of :func:`job_rates`: each step sends ``nbytes`` to every echo server and
     waits for them all to come back (copied out, as a pull's rows are)."""
     tune_allocator()
-    batch(BATCH)
+    batch(sched_batch_of(os.environ))
     ctx = zmq.Context()
     socks = []
     for port in ports:
@@ -131,7 +130,8 @@ def job_rates(workers: int, servers: int, nbytes: int, steps: int) -> list[float
         per_worker = [results.get(timeout=300) for _ in clients]
     finally:
         for p in echoes + clients:  # by PID, whatever happened
-            p.join(0.5) if p in clients else None
+            if p in clients:
+                p.join(0.5)
             if p.is_alive():
                 p.kill()
                 p.join(10)

@@ -117,7 +117,7 @@ class Config:
             encrypt=_flag(env, "KVSTORE_ENCRYPT"),
             shm=_flag(env, "KVSTORE_SHM", default=True),
             channel=_flag(env, "KVSTORE_CHANNEL", default=True),
-            sched_batch=_flag(env, "KVSTORE_SCHED_BATCH", default=True),
+            sched_batch=sched_batch_of(env),
             max_message=_number(env, "KVSTORE_MAX_MESSAGE", 2**32, int, low=1024),
             metrics=_flag(env, "KVSTORE_METRICS", default=True),
             status_port=_number(env, "KVSTORE_STATUS_PORT", -1, int, low=-1, high=65535),
@@ -231,6 +231,12 @@ def _flag(env, name: str, default: bool = False) -> bool:
     if raw in ("1", "true", "yes", "on"):
         return True
     raise ConfigError(f"{name}={env[name]!r}: expected 1 or 0")
+
+
+def sched_batch_of(env) -> bool:
+    """``KVSTORE_SCHED_BATCH`` (default on): whether a role runs under ``SCHED_BATCH``
+    (kvstore/cpu.py); also read by the benchmarks' bare processes, which have no Config."""
+    return _flag(env, "KVSTORE_SCHED_BATCH", default=True)
 
 
 def _secret(env) -> bytes:
