@@ -84,6 +84,7 @@ class Unchanged(ValueError):
 _WORKER_ID = re.compile(rb"worker-(0|[1-9][0-9]{0,8})")
 _SERVER_ID = re.compile(rb"server-(0|[1-9][0-9]{0,8})")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
+_POLLOUT, _READABLE = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
 
 # A str key that starts "kvt.root<r>." holds rank r's value alone: another rank's push counts
 # as zeros, so what every worker pulls is r's bytes whatever the others push (kvstore.torch's
@@ -474,9 +475,9 @@ class Server:
             event = events.get(fd)
             if not event or chan.closed:  # (closed by an earlier request of this wake-up)
                 continue
-            if event & zmq.POLLOUT:
+            if event & _POLLOUT:
                 self._flush_channel(chan)
-            if chan.closed or not event & (zmq.POLLIN | zmq.POLLERR):
+            if chan.closed or not event & _READABLE:
                 continue
             if chan.rank < 0:
                 self._prove_channel(chan)

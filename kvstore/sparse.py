@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -1040,11 +1041,21 @@ def plan_push(items, num_server: int, sync: bool, metas: dict, pulls=None, shm_s
     a :class:`RowCollector` for them comes back too. The rows for a server in
     ``shm_servers`` (on this host) may go through a shared segment (``Outgoing.shared``).
     ``metas``: each key's Meta (its shape and sharding). The rows of a range-sharded key
-    are views of the pushed value's (:func:`shares_rows`), the others copies."""
+    are views of the pushed value's (:func:`shares_rows`); a hashed key's are copies, or
+    :class:`Picked` rows where they may go through a segment (gathered straight into it)."""
     splits = [
         split_by_server(item.value.indices, num_server, _bounds(metas[item.key], num_server))
         for item in items
     ]
+    collector = None
+    if pulls is not None:
+        wanted = [
+            (pull, item.value.indices, split)
+            for item, pull, split in zip(items, pulls, splits, strict=True)
+        ]
+        collector = RowCollector(wanted, metas)
+        for item in items:  # first: a hashed push's rows are gathered from these, 0 + already
+            collector.fill(item.key, item.value.data)
     legs: list = [([], []) for _ in range(num_server)]
     for item, split in zip(items, splits, strict=True):
         v = item.value
@@ -1053,8 +1064,15 @@ def plan_push(items, num_server: int, sync: bool, metas: dict, pulls=None, shm_s
             keys.append((item.key, server))
             if isinstance(pos, slice):  # a run: views
                 arrays += [v.indices[pos], np.ascontiguousarray(v.data[pos])]
-            else:  # take (unbuffered: the positions are valid) is twice as fast as [pos]
-                arrays += [v.indices.take(pos), np.take(v.data, pos, axis=0, mode="clip")]
+                continue
+            arrays.append(v.indices.take(pos))
+            if collector is None:
+                rows = Picked(v.data, pos, False)
+            else:
+                rows = Picked(collector.block_of(item.key), pos, True)
+            if server not in shm_servers or rows.nbytes < SHM_FROM:  # by socket: gathered
+                rows = rows.gather()
+            arrays.append(rows)
     body = {"sync": sync} if pulls is None else {"sync": sync, "pull": True}
     out = []
     for s, (keys, arrays) in enumerate(legs):
@@ -1063,16 +1081,39 @@ def plan_push(items, num_server: int, sync: bool, metas: dict, pulls=None, shm_s
             shared = tuple(i for i in range(1, len(arrays), 2) if arrays[i].nbytes >= SHM_FROM)
         wire = [list(x) for x in keys]
         out.append(Outgoing(s, "sparse_push", tuple(keys), wire, body, tuple(arrays), shared))
-    if pulls is None:
-        return out
-    wanted = [
-        (pull, item.value.indices, split)
-        for item, pull, split in zip(items, pulls, splits, strict=True)
-    ]
-    collector = RowCollector(wanted, metas)
-    for item in items:
-        collector.fill(item.key, item.value.data)
-    return out, collector
+    return out if collector is None else (out, collector)
+
+
+class Picked(NamedTuple):
+    """A hashed push's rows for one server, not gathered yet: ``source[pos]``. The worker
+    gathers them straight into the server's shared segment (no copy in between), or into a
+    new array to send by socket (:meth:`gather`; :func:`gathered`). ``normal``: ``source``
+    holds ``0 +`` the pushed rows already (a pushpull's output block, filled first)."""
+
+    source: np.ndarray
+    pos: np.ndarray
+    normal: bool
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.source.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return (self.pos.size, self.source.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.pos.size * self.source.shape[1] * self.source.itemsize
+
+    def gather(self, out: np.ndarray | None = None) -> np.ndarray:
+        # take, unbuffered (the positions are valid): twice as fast as source[pos]
+        return np.take(self.source, self.pos, axis=0, out=out, mode="clip")
+
+
+def gathered(arrays: list) -> list:
+    """``arrays`` with each :class:`Picked` entry gathered (what goes by socket)."""
+    return [a.gather() if type(a) is Picked else a for a in arrays]
 
 
 def _bounds(meta, num_server: int):
@@ -1132,6 +1173,11 @@ class RowCollector:
 
     def expect(self, request: int, keys: tuple) -> None:
         self._expected[request] = keys
+
+    def block_of(self, key) -> np.ndarray:
+        """The rows of ``key`` to be written into its outputs (after :meth:`fill`, ``0 +``
+        the rows pushed)."""
+        return self._blocks[key]
 
     def fill(self, key, rows: np.ndarray) -> None:
         """The rows this call pushes of ``key`` (its ids are the wanted ids, in order), ``0 +``

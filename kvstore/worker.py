@@ -446,6 +446,8 @@ class DistStore(KVStore):
                 body = {"keys": out.wire, **out.body}
                 here = out.server not in moved  # else its parts moved: TCP, no segment
                 used = self._to_segments(out, arrays) if out.shared and here else []
+                if out.shared:  # rows not written into a segment go by socket
+                    arrays = sparse.gathered(arrays)
                 if used:
                     body["shm"] = [entry for _, _, entry, _ in used]
                 pulling = out.kind in _PULLING or out.body.get("pull") is True
@@ -531,7 +533,13 @@ class DistStore(KVStore):
                 continue
             if rows:  # 0 + the rows (the bits a round gives them): scattered as they are
                 region = segment.push[: piece.nbytes].view(piece.dtype).reshape(piece.shape)
-                np.add(piece.dtype.type(0), piece, out=region)
+                if type(piece) is sparse.Picked:  # gathered here, 0 + in place (in cache)
+                    piece.gather(out=region)
+                    if not piece.normal:
+                        np.add(piece.dtype.type(0), region, out=region)
+                    piece = piece.source
+                else:
+                    np.add(piece.dtype.type(0), piece, out=region)
             else:
                 region = segment.push.view(piece.dtype)[: piece.size]
                 np.copyto(region, piece)
