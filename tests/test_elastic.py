@@ -563,8 +563,9 @@ def test_a_newcomer_after_a_failover_sends_to_the_replicas(tmp_path):
 def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
     """Worker 1 is killed two steps before the end; its replacement (slow to start, as a
     PyTorch script is) comes after the others finished and the scheduler ended the job: the
-    launcher stops it 30 s later and starts nobody again, and the job ends 0 (it used to
-    start replacements for ever, each waiting 65 s for a scheduler that was gone)."""
+    launcher stops it ``--finish-grace`` (here 4 s; 30 s by default) later and starts nobody
+    again, and the job ends 0 (it used to start replacements for ever, each waiting 65 s for
+    a scheduler that was gone)."""
     script = tmp_path / "train.py"
     script.write_text(
         "import os, sys, time\n"
@@ -582,8 +583,15 @@ def test_a_worker_killed_as_the_others_finish_ends_the_job_with_them(tmp_path):
         "    print('step', step, flush=True)\n"
         "    time.sleep(0.05)\n"
     )
-    out = _launch_elastic(tmp_path, "[worker 0] step 18", script=script, args=())
-    assert "the job has finished (every worker in it finished): stopping worker 1," in out, out
+    out = _launch_elastic(
+        tmp_path,
+        "[worker 0] step 18",
+        launcher=("-s", "1", "--finish-grace", "4"),
+        script=script,
+        args=(),
+    )
+    stopped = "the job has finished (every worker in it finished): stopping worker 1, still "
+    assert stopped + "running 4s later" in out, out
     assert "stopping worker 0" not in out and "stopping worker 2" not in out, out
     assert out.count("launch: started worker 1 ") == 2, out
 

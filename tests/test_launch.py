@@ -86,6 +86,7 @@ def test_help_documents_each_option():
         "--port",
         "--ssh-port",
         "--ssh-option",
+        "--finish-grace",
     ):
         assert option in out
 
@@ -107,6 +108,8 @@ def test_unknown_option_gives_usage_not_traceback():
         (["-n", "0", "python", "x.py"], "must be >= 1"),
         (["-n", "1"], "no worker command"),
         (["-n", "1", "--env", "KVSTORE_NOT_SET_ANYWHERE", "python", "x.py"], "is not set"),
+        (["-n", "1:2", "--finish-grace", "-1", "python", "x.py"], "seconds >= 0, got '-1'"),
+        (["-n", "1:2", "--finish-grace", "soon", "python", "x.py"], "seconds >= 0, got 'soon'"),
     ],
 )
 def test_bad_invocations(args, match):

@@ -170,11 +170,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, help="stop the whole job after this many seconds (default: none)"
     )
     p.add_argument(
+        "--finish-grace",
+        type=_seconds,
+        default=Supervisor.after_job_grace,
+        metavar="SECONDS",
+        help="an elastic job: once every worker in it has finished, how long a worker still "
+        "running (started in a freed slot too late to join) gets to end by itself before it "
+        f"is stopped; one that is still saving what it trained needs it (default: "
+        f"{Supervisor.after_job_grace:g})",
+    )
+    p.add_argument(
         "command",
         nargs=argparse.REMAINDER,
         help="the worker command, e.g. python train.py --kv-store dist_sync",
     )
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _worker_count(text: str):
@@ -320,6 +340,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     sup = Supervisor()
+    sup.after_job_grace = args.finish_grace
     try:
         spec = make_spec(args, parser)
         sup.elastic = bool(int(spec.env.get("KVSTORE_MIN_WORKERS") or 0))
