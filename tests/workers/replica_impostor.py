@@ -45,11 +45,13 @@ if rank == 1:
         ("server-0 with a worker's token", b"server-0", True, 8.0),
         ("server-1, whose identity server 1 holds", b"server-1", True, 1.5),  # never read
     )
-    for what, identity, prove, wait in attempts:
+
+    def attempt(identity, prove, wait):
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.identity = identity
         sock.connect(f"tcp://{host}:{port}")
+        got = None
         if prove:
             got = ask(sock, Message("hello", 3, "x", {"host": ""}), wait)
             challenge = got.body.get("challenge", "") if got is not None else ""
@@ -58,6 +60,18 @@ if rank == 1:
             ask(sock, Message("auth", 4, "x", {"proof": proof}), wait)
         reply = ask(sock, forward, wait)
         sock.close()
+        return got, reply
+
+    for what, identity, prove, wait in attempts:
+        got, reply = attempt(identity, prove, wait)
+        # the server's ROUTER drops a connection whose identity an earlier one still holds
+        # (the first attempt's, until the server's I/O thread sees it closed: later on a
+        # loaded machine): an unanswered hello is that, tried again (at most twice more)
+        for _ in range(2):
+            if not (prove and got is None and identity == b"server-0"):
+                break
+            time.sleep(1)
+            got, reply = attempt(identity, prove, wait)
         text = "no reply" if reply is None else reply.body.get("message", reply.kind)
         ok = reply is None or reply.kind == "error"
         print(f"{what}: {'refused' if ok else 'ACCEPTED'} ({text})", flush=True)
