@@ -23,9 +23,13 @@ beside kvstore's identical step, run back to back, with the ratio (both tables i
 with every row, ones, as the anchor does). Between them (and with ``--floor`` alone) the
 same step done by bare designs with nothing but NumPy and one small message each way per
 server (``sparse_floor.py``): how fast a Python parameter server can be on this machine.
+``--pairs N`` runs MXNet's anchor and kvstore's N times, alternated, and prints the ratio of
+each pair and their median (this machine's speed moves by a third within minutes).
 
     python benchmarks/sparse.py                     # W=2 S=2, every dim and size
     python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
+    python benchmarks/sparse.py --dims "" --no-memory --mxnet /work/mxnet-venv/bin/python \
+        --anchor-steps 300 --pairs 5       # the anchor's ratio, five alternated pairs
     python benchmarks/sparse.py --dims "" --no-memory --floor    # kvstore's anchor, the floors
     python benchmarks/sparse.py --dims 16 --reqs 1K --budget 0.3 --no-memory   # a smoke run
     python benchmarks/sparse.py --dims "" --no-memory --job-memory   # the whole job's RSS
@@ -490,6 +494,14 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-repeats", type=int, default=3)
     ap.add_argument("--mxnet", default="", help="a Python with MXNet 1.9.1: run its anchor too")
     ap.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="with --mxnet: run MXNet's anchor and kvstore's this many times, alternated, and "
+        "print the ratio of each pair and their median (this machine's speed moves within "
+        "minutes: one pair is one sample)",
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="kvstore's anchor beside sparse_floor.py's bare designs (--mxnet runs them too)",
@@ -506,10 +518,13 @@ def main(argv=None) -> int:
     if args.as_memory_worker:
         return memory_worker(args)
     results = run_cluster(args) + zmq_rows(args)
-    if args.mxnet or args.floor:  # back to back: MXNet, the floor, kvstore's same step
-        results += run_mxnet(args) if args.mxnet else []
-        results += floor_rows(args)
-        results += run_cluster(args, anchor=args.anchor)
+    if args.mxnet or args.floor:  # back to back: MXNet, the floor, kvstore's same step; then
+        # MXNet and kvstore again, alternated, --pairs times in all (the ratio of each pair)
+        for pair in range(args.pairs):
+            mx = run_mxnet(args) if args.mxnet else []
+            floor = floor_rows(args) if pair == 0 else []
+            ours = run_cluster(args, anchor=args.anchor)
+            results += [dict(r, pair=pair) for r in mx] + floor + [dict(r, pair=pair) for r in ours]
     if not args.no_memory:
         results += memory_rows()
     if args.job_memory:
@@ -556,6 +571,7 @@ def table(results: list[dict], args) -> str:
             f"{job / 1e6:>7.1f}MB {nbytes / job:>7.0%}"
         )
     mx = [r for r in results if r.get("config") == "mxnet"]
+    mx_of = {r.get("pair", 0): r["median"] for r in mx}
     floor = {
         (r["config"].split()[1], r["sharding"]): r
         for r in results
@@ -579,6 +595,13 @@ def table(results: list[dict], args) -> str:
             line = f"anchor {args.anchor} ({call}, rows by {sharding}): kvstore {ours:,.0f} rows/s"
             if mx:
                 line += f", MXNet {mx[0]['median']:,.0f} rows/s: {ours / mx[0]['median']:.2f}x"
+            ratios = [r["median"] / mx_of[r["pair"]] for r in anchor if r.get("pair") in mx_of]
+            if len(ratios) > 1:
+                line += (
+                    f" (in {len(ratios)} alternated pairs: "
+                    + ", ".join(f"{x:.2f}x" for x in ratios)
+                    + f"; median {statistics.median(ratios):.2f}x)"
+                )
             for design in sparse_floor.DESIGNS:
                 if (design, sharding) in floor:
                     line += f"; {ours / floor[design, sharding]['median']:.0%} of {design}"

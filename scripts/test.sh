@@ -66,4 +66,5 @@ fi
 .venv/bin/ruff format --check .
 # Two or more at once (pytest-xdist, one per core): most of a test's time is its cluster's
 # processes waiting on each other, so two share a core well (16.5 minutes serial, 10 in two).
-.venv/bin/python -m pytest -n auto "$@"
+# Tests marked with one xdist_group run one after another (loadgroup).
+.venv/bin/python -m pytest -n auto --dist loadgroup "$@"

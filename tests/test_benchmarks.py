@@ -1,5 +1,6 @@
 """The benchmarks keep working: run them at a tiny size (no timing is asserted)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -124,22 +125,30 @@ def _floor_dirs() -> set:
     return set(Path("/dev/shm").glob("kvstore-floor-*"))
 
 
+# the runs of sparse_floor.py, one at a time (scripts/test.sh runs tests two at a time,
+# --dist loadgroup): the smoke test checks that none of its /dev/shm directories is left
+FLOOR = pytest.mark.xdist_group("sparse-floor")
+
+
+@FLOOR
 @pytest.mark.timeout(300)
 def test_sparse_benchmark_floor_smoke():
-    """--floor: the anchor step beside each bare design (sparse_floor.py), in the same run."""
+    """--floor: the anchor step beside each bare design (sparse_floor.py), in the same run;
+    with --pairs 2, kvstore's anchor twice (each pair's)."""
     before = _floor_dirs()
     stdout, rows = run_benchmark(
         "sparse.py",
         *("--dims", "", "--no-memory", "--floor", "--anchor", "2000x16x256"),
-        *("--anchor-steps", "20", "--anchor-repeats", "2"),
+        *("--anchor-steps", "20", "--anchor-repeats", "2", "--pairs", "2"),
         timeout=280,
     )
     floor = {(r["config"], r["sharding"]): r for r in rows if r["config"].startswith("floor")}
     designs = ("zmq", "zmq-whole", "zmq-block", "pipe-block")
     assert sorted(floor) == sorted((f"floor {d}", s) for d in designs for s in ("hash", "range"))
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in floor.values()), rows
-    anchors = {(r["op"], r["sharding"]) for r in rows if r["config"] == "kvstore"}
-    assert anchors == {(op, s) for op in ("anchor", "anchor pushpull") for s in ("hash", "range")}
+    anchors = [(r["op"], r["sharding"], r["pair"]) for r in rows if r["config"] == "kvstore"]
+    ops = ("anchor", "anchor pushpull")
+    assert sorted(anchors) == sorted(itertools.product(ops, ("hash", "range"), (0, 1)))
     assert stdout.count("% of pipe-block") == 4, stdout
     assert _floor_dirs() <= before  # its segments and pipes are gone
 
@@ -158,6 +167,7 @@ BREAKS = [
 ]
 
 
+@FLOOR
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("design", "right", "wrong"), BREAKS)
 def test_sparse_floor_refuses_a_wrong_sum(design, right, wrong, tmp_path):
