@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from kvstore import shm
+
+from .cluster import poll_until
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm or boot id here")
 
@@ -60,10 +61,6 @@ def test_jobs_on_one_host_share_memory_exactly(cluster, use, chan):
         assert f"talks by channel with {channels} servers" in out, out
         assert "pulled values exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
-    left = _ours() - before  # another job's segments (tests run in parallel) are
-    for _ in range(50):  # removed within ms; a file this job left stays
-        if not left:
-            break
-        time.sleep(0.1)
-        left = _ours() - before
-    assert not left, left  # no file left behind
+    # another job's segments (tests run two at a time) are removed within ms; a file
+    # this job left stays
+    assert poll_until(lambda: _ours() <= before, 5), _ours() - before  # no file left behind

@@ -2,9 +2,10 @@
 script per cluster (tests/workers/sparse_nightly.py)."""
 
 import json
-import time
 
 import pytest
+
+from .cluster import poll_until
 
 
 @pytest.mark.parametrize(
@@ -84,13 +85,9 @@ def test_rows_through_shared_memory_are_exact(cluster, use):
         assert f"shares memory with {2 if use == '1' else 0} servers" in out, out
         assert f"rows through {2 if use == '1' else 0} segments; OK 15 steps exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
-    left = ours() - before  # another job's segments (tests run in parallel) are
-    for _ in range(50):  # removed within ms; a file this job left stays
-        if not left:
-            break
-        time.sleep(0.1)
-        left = ours() - before
-    assert not left, left
+    # another job's segments (tests run two at a time) are removed within ms; a file
+    # this job left stays
+    assert poll_until(lambda: ours() <= before, 5), ours() - before
 
 
 @pytest.mark.parametrize(
