@@ -537,7 +537,7 @@ class DistStore(KVStore):
                     piece.gather(out=region)
                     if not piece.normal:
                         np.add(piece.dtype.type(0), region, out=region)
-                    piece = piece.source
+                    piece = piece.source  # (its [:0] below: the rows' dtype and dim)
                 else:
                     np.add(piece.dtype.type(0), piece, out=region)
             else:
