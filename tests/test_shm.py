@@ -61,6 +61,6 @@ def test_jobs_on_one_host_share_memory_exactly(cluster, use, chan):
         assert f"talks by channel with {channels} servers" in out, out
         assert "pulled values exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
-    # another job's segments (tests run two at a time) are removed within ms; a file
+    # another job's segments (with -n, tests run side by side) go within ms; a file
     # this job left stays
     assert poll_until(lambda: _ours() <= before, 5), _ours() - before  # no file left behind

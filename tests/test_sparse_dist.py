@@ -85,7 +85,7 @@ def test_rows_through_shared_memory_are_exact(cluster, use):
         assert f"shares memory with {2 if use == '1' else 0} servers" in out, out
         assert f"rows through {2 if use == '1' else 0} segments; OK 15 steps exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
-    # another job's segments (tests run two at a time) are removed within ms; a file
+    # another job's segments (with -n, tests run side by side) go within ms; a file
     # this job left stays
     assert poll_until(lambda: ours() <= before, 5), ours() - before
 
