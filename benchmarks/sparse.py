@@ -23,10 +23,13 @@ beside kvstore's identical step, run back to back, with the ratio (both tables i
 with every row, ones, as the anchor does). Between them (and with ``--floor`` alone) the
 same step done by bare designs with nothing but NumPy and one small message each way per
 server (``sparse_floor.py``): how fast a Python parameter server can be on this machine.
-``--pairs N`` runs MXNet's anchor and kvstore's N times, alternated, and prints the ratio of
-each pair and their median (this machine's speed moves by a third within minutes).
+Each measurement times enough calls to move 128 MiB of rows (10 to 300 calls; ``--reps N``:
+N), the bare ZeroMQ bounds as many. ``--pairs N`` runs the grid and then its ZeroMQ bounds N
+times, alternated (and MXNet's anchor and kvstore's), and prints the ratio of each pair and
+their median: this machine's speed moves by a third within minutes, so one run is one sample.
 
     python benchmarks/sparse.py                     # W=2 S=2, every dim and size
+    python benchmarks/sparse.py --no-memory --pairs 3    # the grid against its bounds, 3 pairs
     python benchmarks/sparse.py --mxnet /work/mxnet-venv/bin/python
     python benchmarks/sparse.py --dims "" --no-memory --mxnet /work/mxnet-venv/bin/python \
         --anchor-steps 300 --pairs 5       # the anchor's ratio, five alternated pairs
@@ -59,6 +62,18 @@ from zmq_bound import EchoServer, job_rates, timed  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 ANCHOR = Path("/work/shared/anchors/mxnet_ps.py")
 REQS = {"1K": 1024, "4K": 4096, "64K": 65536}
+MEASURED_BYTES = 128 << 20  # rows' bytes a measurement moves (--reps 0), within its call limits
+CALLS = (10, 300)  # calls per measurement, at least and at most
+
+
+def calls_for(reps: int, dim: int, req: int) -> int:
+    """Timed calls per measurement of REQ rows of ``dim``: ``reps``, or with 0 enough calls to
+    move :data:`MEASURED_BYTES` (a 1 ms call timed ten times is a sample of this machine's
+    minute, not of the design), within :data:`CALLS`. The same on every worker (their rounds
+    must match) and for the bare ZeroMQ bounds of the same shape."""
+    if reps:
+        return reps
+    return min(max(-(-MEASURED_BYTES // (req * dim * 4)), CALLS[0]), CALLS[1])
 
 
 # ---------------------------------------------------------------- inside a worker
@@ -89,7 +104,7 @@ def worker_main(args) -> int:
             # every worker runs the same number of steps (rounds must match): fixed counts
             for what, fn, rows_per_call in calls(kv, key, shape, grads, req):
                 kv.barrier()
-                times = timed(fn, args.reps, 1e9, warmup=1)
+                times = timed(fn, calls_for(args.reps, dim, req), 1e9, warmup=1)
                 rates = [rows_per_call / t for t in times]
                 results.append(
                     {
@@ -380,10 +395,13 @@ def zmq_rows(args) -> list[dict]:
                 echo.sock.send(array, copy=False)
                 back[...] = np.frombuffer(echo.sock.recv(copy=False).buffer, np.float32)
 
-            record("zmq", dim, name, [req / t for t in timed(once, max(args.reps, 10), 2.0)])
+            n = max(calls_for(args.reps, dim, req), 10)
+            record("zmq", dim, name, [req / t for t in timed(once, n, 1e9)])
     for dim, name, req in shapes:
         nbytes = -(-req // args.servers) * dim * 4
-        steps = job_rates(args.workers, args.servers, nbytes, max(args.reps, 20))
+        steps = job_rates(
+            args.workers, args.servers, nbytes, max(calls_for(args.reps, dim, req), 20)
+        )
         record("zmq job", dim, name, [req / t for t in steps])
     return rows
 
@@ -485,7 +503,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=10**9, help="logical rows of each table")
     ap.add_argument("--dims", default="16,64,256")
     ap.add_argument("--reqs", default="1K,4K,64K", help="rows per request")
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=0,
+        help="timed calls per measurement (0: enough to move 128 MiB of rows, 10 to 300)",
+    )
     ap.add_argument("--sharding", default="hash", choices=["hash", "range"], help="the tables'")
     ap.add_argument("--replicas", type=int, default=1, help="KVSTORE_REPLICAS (copies of a part)")
     ap.add_argument("--anchor", default="100000x64x4096", help="ROWSxDIMxREQ")
@@ -497,9 +520,9 @@ def main(argv=None) -> int:
         "--pairs",
         type=int,
         default=1,
-        help="with --mxnet: run MXNet's anchor and kvstore's this many times, alternated, and "
-        "print the ratio of each pair and their median (this machine's speed moves within "
-        "minutes: one pair is one sample)",
+        help="run kvstore's grid and the bare ZeroMQ bounds this many times, alternated (and "
+        "with --mxnet, MXNet's anchor and kvstore's), and print the ratio of each pair and "
+        "their median (this machine's speed moves within minutes: one pair is one sample)",
     )
     ap.add_argument(
         "--floor",
@@ -517,7 +540,10 @@ def main(argv=None) -> int:
         return worker_main(args)
     if args.as_memory_worker:
         return memory_worker(args)
-    results = run_cluster(args) + zmq_rows(args)
+    results = []
+    if any(args.dims.split(",")):  # the grid, then its bare ZeroMQ bounds: --pairs times
+        for pair in range(args.pairs):
+            results += [dict(r, pair=pair) for r in run_cluster(args) + zmq_rows(args)]
     if args.mxnet or args.floor:  # back to back: MXNet, the floor, kvstore's same step; then
         # MXNet and kvstore again, alternated, --pairs times in all (the ratio of each pair)
         for pair in range(args.pairs):
@@ -550,26 +576,51 @@ def table(results: list[dict], args) -> str:
         f"{'pushpull':>11} {'B/s':>9} {'zmq pair':>9} {'vs pair':>7} {'zmq job':>9} "
         f"{'vs job':>7}"
     )
-    ours = {(r["op"], r["dim"], r["req"]): r for r in results if r.get("config") == "kvstore"}
-    bounds = {
-        (r["config"], r["dim"], r["req"]): r["median"] * r["dim"] * 4
-        for r in results
-        if r.get("config") in ("zmq", "zmq job")
-    }
-    for (op, dim, req), r in ours.items():
-        if op != "step":
-            continue
-        best = max(r["median"], ours[("pushpull", dim, req)]["median"])
-        nbytes = best * dim * 4
-        pair = bounds.get(("zmq", dim, req), float("nan"))
-        job = bounds.get(("zmq job", dim, req), float("nan"))
+    grid = [r for r in results if r.get("config") in ("kvstore", "zmq", "zmq job") and "dim" in r]
+    grid = [r for r in grid if not r["op"].startswith("anchor")]
+    pairs = sorted({r.get("pair", 0) for r in grid})
+    shapes = list(dict.fromkeys((r["dim"], r["req"]) for r in grid if r["config"] == "kvstore"))
+    spread, nan = [], float("nan")
+    for dim, req in shapes:
+        # per pair: kvstore's rates and the bounds measured right after them
+        rows = {p: {} for p in pairs}
+        for r in grid:
+            if (r["dim"], r["req"]) == (dim, req):
+                name = r["op"] if r["config"] == "kvstore" else r["config"]
+                rows[r.get("pair", 0)][name] = r["median"]
+        per_pair = []
+        for got in rows.values():
+            best = max(got.get("step", nan), got.get("pushpull", nan)) * dim * 4
+            per_pair.append(
+                {
+                    **got,
+                    "bytes": best,
+                    "vs pair": best / (got.get("zmq", nan) * dim * 4),
+                    "vs job": best / (got.get("zmq job", nan) * dim * 4),
+                }
+            )
+
+        def mid(name, per_pair=per_pair):
+            return statistics.median(p.get(name, nan) for p in per_pair)
+
         lines.append(
-            f"{dim:>4} {req:>8} {ours[('push', dim, req)]['median']:>11,.0f} "
-            f"{ours[('pull', dim, req)]['median']:>11,.0f} {r['median']:>11,.0f} "
-            f"{ours[('pushpull', dim, req)]['median']:>11,.0f} "
-            f"{nbytes / 1e6:>7.1f}MB {pair / 1e6:>7.1f}MB {nbytes / pair:>7.0%} "
-            f"{job / 1e6:>7.1f}MB {nbytes / job:>7.0%}"
+            f"{dim:>4} {req:>8} {mid('push'):>11,.0f} {mid('pull'):>11,.0f} "
+            f"{mid('step'):>11,.0f} {mid('pushpull'):>11,.0f} {mid('bytes') / 1e6:>7.1f}MB "
+            f"{mid('zmq') * dim * 4 / 1e6:>7.1f}MB {mid('vs pair'):>7.0%} "
+            f"{mid('zmq job') * dim * 4 / 1e6:>7.1f}MB {mid('vs job'):>7.0%}"
         )
+        if len(per_pair) > 1:
+            spread.append(
+                f"{dim:>4} {req:>8}: "
+                + ", ".join(f"{p['vs pair']:.0%}/{p['vs job']:.0%}" for p in per_pair)
+            )
+    if spread:
+        lines += [
+            "",
+            f"each of the {len(pairs)} alternated pairs (kvstore, then the bounds), vs pair/vs "
+            "job (the table: the medians over the pairs):",
+            *spread,
+        ]
     mx = [r for r in results if r.get("config") == "mxnet"]
     mx_of = {r.get("pair", 0): r["median"] for r in mx}
     floor = {

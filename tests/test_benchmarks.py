@@ -108,17 +108,21 @@ def test_simulated_network_benchmark_smoke():
 
 
 def test_sparse_benchmark_smoke():
+    """The grid and its bare ZeroMQ bounds, twice alternated (--pairs 2): each pair's ratios."""
     stdout, rows = run_benchmark(
         "sparse.py",
         *("--dims", "16", "--reqs", "1K", "--reps", "2", "--rows", "100000", "--no-memory"),
+        *("--pairs", "2"),
         timeout=240,
     )
-    seen = {(r["config"], r["op"]) for r in rows}
-    for op in ("push", "pull", "step", "pushpull"):
-        assert ("kvstore", op) in seen, seen
-    assert ("zmq", "step") in seen and ("zmq job", "step") in seen
+    seen = sorted((r["config"], r["op"], r["pair"]) for r in rows)
+    ops = [("kvstore", op) for op in ("pull", "push", "pushpull", "step")]
+    expected = [(*c, p) for c in [*ops, ("zmq", "step"), ("zmq job", "step")] for p in (0, 1)]
+    assert seen == sorted(expected), seen
     assert all(r["median"] > 0 for r in rows)
     assert "vs pair" in stdout and "vs job" in stdout
+    spread = stdout.split("alternated pairs", 1)[1].splitlines()[1]
+    assert spread.startswith("  16       1K: ") and spread.count("%/") == 2, stdout
 
 
 def _floor_dirs() -> set:
