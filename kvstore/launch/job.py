@@ -381,9 +381,12 @@ class Supervisor:
             self.say(f"every worker exited 0; stopping {names}, still running")
         self.stop()
 
-    def _report_failures(self, first: Proc, window: float = 2.0) -> Proc:
+    def _report_failures(self, first: Proc, window: float = 1.0) -> Proc:
         """Name ``first`` and every process that fails on its own within ``window`` seconds:
-        when one failure causes another, the cause may be the slower one to exit. Returns
+        when one failure causes another, the cause may be the slower one to exit. The window
+        is shorter than the scheduler's rule for a process whose connection closed (dead after
+        two heartbeat intervals: 2 s by default), so the job is stopped before the scheduler
+        announces a process that failed with its own error as "node failed" too. Returns
         the cause: the first of those the others name, else of all, that did not exit 129
         (a process that lost a peer, kvstore.errors.EXIT_PEER_LOST), else ``first``."""
         failed = [first]
