@@ -372,6 +372,34 @@ def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_go
     assert book.kind == "book" and book.body["rank"] == 0  # the waiting one takes slot 0
 
 
+@pytest.mark.parametrize("how", ["finished", "died"])
+def test_workers_that_finished_count_toward_min_and_dead_ones_do_not(how):
+    """-n 2:3: workers 0 and 1 leave while worker 2 trains on. Finished (their data ran out),
+    they did their part: the job goes on with one worker. Died, it is one worker short of
+    MIN, and fails once no newcomer came within the start-up timeout (60 s)."""
+    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
+    m.receive(b"s", register("server", 1), 0.0)
+    for who, pid, slot in ((b"a", 2, 0), (b"b", 3, 1), (b"c", 4, 2)):
+        m.receive(who, register("worker", pid, slot), 0.0)
+    m.tick(0.1)
+    m.tick(1.2)  # (the start's grace for the others)
+    assert m.ready
+    if how == "finished":
+        for i, who in enumerate((b"a", b"b")):
+            m.receive(who, Message("finalize", 7 + i, "worker"), 2.0)
+    actions = []
+    for t in range(2, 80):  # the server and worker 2 beat; workers 0 and 1 are silent
+        for who in (b"s", b"c"):
+            m.receive(who, Message("heartbeat", 0, "x"), float(t))
+        actions += m.tick(t + 0.5)
+    assert m._present() == [2], m._present()
+    exits = [a for a in actions if isinstance(a, Exit)]
+    if how == "finished":
+        assert not exits and not m.failure, (exits, m.failure)
+    else:
+        assert exits and m.failure.startswith("only 1 worker(s) left, fewer than the 2"), m.failure
+
+
 def test_a_stall_waiting_for_a_newcomer_says_so_and_how_to_avoid_it():
     m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
     m.receive(b"s", register("server", 1), 0.0)
