@@ -24,9 +24,10 @@ with every row, ones, as the anchor does). Between them (and with ``--floor`` al
 same step done by bare designs with nothing but NumPy and one small message each way per
 server (``sparse_floor.py``): how fast a Python parameter server can be on this machine.
 Each measurement times enough calls to move 128 MiB of rows (10 to 300 calls; ``--reps N``:
-N), the bare ZeroMQ bounds as many. ``--pairs N`` runs the grid and then its ZeroMQ bounds N
-times, alternated (and MXNet's anchor and kvstore's), and prints the ratio of each pair and
-their median: this machine's speed moves by a third within minutes, so one run is one sample.
+N), the bare ZeroMQ bounds as many (the job bound at least 20). ``--pairs N`` runs the grid
+and then its ZeroMQ bounds N times, alternated (and MXNet's anchor and kvstore's), and prints
+the ratio of each pair and their median: this machine's speed moves by a third within
+minutes, so one run is one sample.
 
     python benchmarks/sparse.py                     # W=2 S=2, every dim and size
     python benchmarks/sparse.py --no-memory --pairs 3    # the grid against its bounds, 3 pairs
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -70,7 +72,13 @@ def calls_for(reps: int, dim: int, req: int) -> int:
     """Timed calls per measurement of REQ rows of ``dim``: ``reps``, or with 0 enough calls to
     move :data:`MEASURED_BYTES` (a 1 ms call timed ten times is a sample of this machine's
     minute, not of the design), within :data:`CALLS`. The same on every worker (their rounds
-    must match) and for the bare ZeroMQ bounds of the same shape."""
+    must match) and for the bare ZeroMQ bounds of the same shape.
+
+    >>> calls_for(0, 16, 1024), calls_for(0, 64, 4096), calls_for(0, 256, 65536)
+    (300, 128, 10)
+    >>> calls_for(7, 16, 1024)
+    7
+    """
     if reps:
         return reps
     return min(max(-(-MEASURED_BYTES // (req * dim * 4)), CALLS[0]), CALLS[1])
@@ -536,6 +544,8 @@ def main(argv=None) -> int:
     ap.add_argument("--momentum", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
+    if args.pairs < 1:
+        ap.error(f"--pairs {args.pairs}: at least 1")
     if args.as_worker:
         return worker_main(args)
     if args.as_memory_worker:
@@ -559,6 +569,11 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     print(table(results, args))
     return 0
+
+
+def _or_low(x: float) -> float:
+    """``max`` key: a missing (nan) rate loses to any measured one."""
+    return -math.inf if math.isnan(x) else x
 
 
 def table(results: list[dict], args) -> str:
@@ -589,8 +604,8 @@ def table(results: list[dict], args) -> str:
                 name = r["op"] if r["config"] == "kvstore" else r["config"]
                 rows[r.get("pair", 0)][name] = r["median"]
         per_pair = []
-        for got in rows.values():
-            best = max(got.get("step", nan), got.get("pushpull", nan)) * dim * 4
+        for got in rows.values():  # (a cell a pair lacks: nan, left out of the medians)
+            best = max(got.get("step", nan), got.get("pushpull", nan), key=_or_low) * dim * 4
             per_pair.append(
                 {
                     **got,
@@ -601,7 +616,8 @@ def table(results: list[dict], args) -> str:
             )
 
         def mid(name, per_pair=per_pair):
-            return statistics.median(p.get(name, nan) for p in per_pair)
+            values = [p[name] for p in per_pair if not math.isnan(p.get(name, nan))]
+            return statistics.median(values) if values else nan
 
         lines.append(
             f"{dim:>4} {req:>8} {mid('push'):>11,.0f} {mid('pull'):>11,.0f} "

@@ -146,7 +146,9 @@ class Membership:
         self.elastic = bool(getattr(cfg, "min_workers", 0))
         self.enough_since: float | None = None  # when MIN workers had registered (start-up)
         self.short_since: float | None = None  # when fewer than MIN were left (running)
-        self.finished = 0  # elastic workers that left having finished: they count for MIN
+        # elastic slots whose last holder finished (until a newcomer takes one): they count
+        # toward MIN, each once
+        self.finished: set[int] = set()
         self.queued: list = []  # (identity, register message, since): newcomers for a full job
         self.suspects: dict[bytes, float] = {}  # node -> when its connection closed
         self.handlers = {
@@ -891,7 +893,8 @@ class Membership:
         free = [r for r in range(self.cfg.num_worker) if r not in taken]
         node.rank = node.rank_hint if node.rank_hint in free else free[0]
         self.epoch += 1
-        enough = len(taken) + 1 + self.finished >= self.cfg.min_workers
+        self.finished.discard(node.rank)  # (held again: counted as present)
+        enough = len(taken) + 1 + len(self.finished) >= self.cfg.min_workers
         self.short_since = None if enough else self.short_since
         self.history.append({"epoch": self.epoch, "worker": node.rank, "why": "joined"})
         servers = self._ranked("server")
@@ -922,7 +925,10 @@ class Membership:
         on without it, in a new epoch; its slot is free for a newcomer."""
         node.left = node.finalized = True
         node.failed = "" if why == "it finished" else why
-        self.finished += why == "it finished"
+        if why == "it finished":
+            self.finished.add(node.rank)
+        else:
+            self.finished.discard(node.rank)
         self.epoch += 1
         self.history.append({"epoch": self.epoch, "worker": node.rank, "why": why})
         present = self._present()
@@ -942,7 +948,7 @@ class Membership:
             actions.append(Log(logging.INFO, "every worker has finished; shutting servers down"))
             actions.append(Broadcast(Message("shutdown", 0, "scheduler"), roles=("server",)))
             actions.append(Exit(EXIT_FAILED if self.failure else 0))
-        elif len(present) + self.finished < self.cfg.min_workers and self.short_since is None:
+        elif len(present) + len(self.finished) < self.cfg.min_workers and self.short_since is None:
             self.short_since = now  # (a worker that finished did its part: not short of it)
         return actions
 

@@ -125,6 +125,38 @@ def test_sparse_benchmark_smoke():
     assert spread.startswith("  16       1K: ") and spread.count("%/") == 2, stdout
 
 
+def test_sparse_benchmark_call_counts_and_a_pair_missing_a_cell():
+    """The calls a measurement times (from its bytes), and the grid's table when one pair
+    lacks a cell: the medians leave it out rather than printing nan or taking the other."""
+    import argparse
+    import doctest
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sparse_bench", ROOT / "benchmarks" / "sparse.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert doctest.testmod(bench).failed == 0
+    assert bench.calls_for(0, 16, 4096) == 300 and bench.calls_for(0, 64, 65536) == 10
+
+    def row(config, op, median, pair):
+        return {"config": config, "op": op, "dim": 16, "req": "4K", "median": median, "pair": pair}
+
+    results = []
+    for pair, best in ((0, 2e6), (1, 4e6), (2, 3e6)):
+        results += [row("kvstore", op, 1e6, pair) for op in ("push", "pull")]
+        results += [row("zmq", "step", 1e7, pair), row("zmq job", "step", 8e6, pair)]
+        if pair == 0:  # pair 0 lost its push+pull: its pushpull counts alone
+            results.append(row("kvstore", "pushpull", best, pair))
+        else:
+            results += [row("kvstore", "step", best, pair), row("kvstore", "pushpull", 1e6, pair)]
+    args = argparse.Namespace(workers=2, servers=2, replicas=1, sharding="hash", anchor="")
+    text = bench.table(results, args)
+    line = next(x for x in text.splitlines() if x.startswith("  16       4K "))
+    assert "nan" not in line, text
+    assert line.split()[-1] == "38%", text  # the median of 2/8, 4/8, 3/8
+    assert "20%/25%, 40%/50%, 30%/38%" in text, text
+
+
 def _floor_dirs() -> set:
     return set(Path("/dev/shm").glob("kvstore-floor-*"))
 

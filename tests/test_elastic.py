@@ -400,6 +400,31 @@ def test_workers_that_finished_count_toward_min_and_dead_ones_do_not(how):
         assert exits and m.failure.startswith("only 1 worker(s) left, fewer than the 2"), m.failure
 
 
+def test_a_slot_that_finished_twice_counts_once_toward_min():
+    """-n 3:3: worker 0 finishes, a newcomer takes its slot and finishes too, then worker 2
+    dies. One worker trains on, and slot 0 finished: two of the three MIN, not three (the
+    slot is not counted once per holder). No newcomer comes: the job fails, saying why."""
+    m = Membership(make_cfg(min_workers=3, heartbeat_timeout=3.0), 0.0)
+    m.receive(b"s", register("server", 1), 0.0)
+    for who, pid, slot in ((b"a", 2, 0), (b"b", 3, 1), (b"c", 4, 2)):
+        m.receive(who, register("worker", pid, slot), 0.0)
+    m.tick(0.1)
+    m.tick(1.2)
+    assert m.ready
+    m.receive(b"a", Message("finalize", 7, "worker"), 2.0)
+    actions = m.receive(b"d", register("worker", 5, 0), 2.1)  # slot 0 again
+    assert next(a for a in actions if isinstance(a, Send)).message.body["rank"] == 0
+    m.receive(b"d", Message("finalize", 8, "worker"), 2.2)
+    actions = []
+    for t in range(3, 80):  # worker 2 is silent from now on: it died
+        for who in (b"s", b"b"):
+            m.receive(who, Message("heartbeat", 0, "x"), float(t))
+        actions += m.tick(t + 0.5)
+    assert m._present() == [1], m._present()
+    assert any(isinstance(a, Exit) for a in actions)
+    assert m.failure.startswith("only 1 worker(s) left, fewer than the 3"), m.failure
+
+
 def test_a_stall_waiting_for_a_newcomer_says_so_and_how_to_avoid_it():
     m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
     m.receive(b"s", register("server", 1), 0.0)

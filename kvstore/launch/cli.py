@@ -345,6 +345,11 @@ def main(argv=None) -> int:
         spec = make_spec(args, parser)
         sup.elastic = bool(int(spec.env.get("KVSTORE_MIN_WORKERS") or 0))
         sup.replicated = int(spec.env.get("KVSTORE_REPLICAS") or 1) > 1
+        try:  # (a bad value is the processes' to refuse, saying so)
+            interval = float(spec.env.get("KVSTORE_HEARTBEAT_INTERVAL") or 1.0)
+        except ValueError:
+            interval = 1.0
+        sup.failure_window = min(Supervisor.failure_window, max(interval, 0.01))
         if args.launcher is None and spec.launcher == "ssh":
             sup.say(
                 "-H given without --launcher: starting the processes through ssh "

@@ -59,6 +59,11 @@ class Supervisor:
     # How long a process the launcher stops gets between SIGTERM and SIGKILL: a frozen one
     # (SIGSTOP, a hung syscall) never acts on SIGTERM.
     stop_grace = 5.0
+    # After the first failure, how long the others get to fail on their own (so that a cause
+    # slower to exit than what it caused is still named): half the scheduler's rule for a
+    # closed connection (dead after two heartbeat intervals), so the job is stopped before
+    # that rule reports again a process that failed with its own error ("node failed")
+    failure_window = 1.0
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
@@ -381,16 +386,14 @@ class Supervisor:
             self.say(f"every worker exited 0; stopping {names}, still running")
         self.stop()
 
-    def _report_failures(self, first: Proc, window: float = 1.0) -> Proc:
-        """Name ``first`` and every process that fails on its own within ``window`` seconds:
-        when one failure causes another, the cause may be the slower one to exit. The window
-        is shorter than the scheduler's rule for a process whose connection closed (dead after
-        two heartbeat intervals: 2 s by default), so the job is stopped before the scheduler
-        announces a process that failed with its own error as "node failed" too. Returns
+    def _report_failures(self, first: Proc) -> Proc:
+        """Name ``first`` and every process that fails on its own within
+        :attr:`failure_window` seconds: when one failure causes another, the cause may be the
+        slower one to exit. Returns
         the cause: the first of those the others name, else of all, that did not exit 129
         (a process that lost a peer, kvstore.errors.EXIT_PEER_LOST), else ``first``."""
         failed = [first]
-        deadline = time.monotonic() + window
+        deadline = time.monotonic() + self.failure_window
         while time.monotonic() < deadline:
             try:
                 proc = self.exits.get(timeout=max(0.0, deadline - time.monotonic()))

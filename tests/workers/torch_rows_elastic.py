@@ -11,6 +11,7 @@ ValueError at step 3 (the user's own error: uncaught, the job fails); ``fail-shu
 same, with ``hvd.shutdown()`` in a ``finally`` (the store closes before the error is seen)."""
 
 import hashlib
+import os
 import sys
 import time
 
@@ -57,7 +58,7 @@ def train(state):
         state.commit()
         # room for the test's kill mid-way; while a worker is missing (a replacement importing
         # torch on a loaded machine takes seconds), slower: it joins before the last step
-        time.sleep(0.05 if hvd.size() == 3 else 0.5)
+        time.sleep(0.05 if hvd.size() == int(os.environ["DMLC_NUM_WORKER"]) else 0.5)
 
 
 state = hvd.elastic.TorchState(model, opt, step=0)
