@@ -977,11 +977,16 @@ class Membership:
             )
         if self.short_since is not None and now - self.short_since > cfg.start_timeout:
             have = len(self._workers())
-            text = (
-                f"only {have} worker(s) left, fewer than the {cfg.min_workers} this elastic job "
-                f"needs (launch.py -n {cfg.min_workers}:{cfg.num_worker}), and no newcomer "
-                f"within {cfg.start_timeout:g}s (KVSTORE_START_TIMEOUT)"
-            )
+            if have + len(self.finished) >= cfg.min_workers:  # (none left training)
+                left = f"no worker left training ({len(self.finished)} finished, the last failed)"
+            else:
+                left = (
+                    f"only {have} worker(s) left"
+                    + (f" and {len(self.finished)} finished" if self.finished else "")
+                    + f", fewer than the {cfg.min_workers} this elastic job needs (launch.py -n "
+                    f"{cfg.min_workers}:{cfg.num_worker})"
+                )
+            text = f"{left}, and no newcomer within {cfg.start_timeout:g}s (KVSTORE_START_TIMEOUT)"
             self.failure = text
             failed = Message("node_failed", 0, "scheduler", {"node": "scheduler", "reason": text})
             return [Log(logging.ERROR, text), Broadcast(failed), Exit(EXIT_PEER_LOST)]

@@ -17,6 +17,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -422,7 +423,27 @@ def test_a_slot_that_finished_twice_counts_once_toward_min():
         actions += m.tick(t + 0.5)
     assert m._present() == [1], m._present()
     assert any(isinstance(a, Exit) for a in actions)
-    assert m.failure.startswith("only 1 worker(s) left, fewer than the 3"), m.failure
+    assert m.failure.startswith("only 1 worker(s) left and 1 finished, fewer than the 3")
+
+
+def test_the_last_worker_dying_after_the_others_finished_is_said_as_such():
+    """-n 2:3 under a launcher that starts no replacement: workers 0 and 1 finish, then
+    worker 2 dies. After the start-up timeout the job fails saying no worker is left
+    training, not that it is short of the MIN the finished ones make up."""
+    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
+    m.receive(b"s", register("server", 1), 0.0)
+    for who, pid, slot in ((b"a", 2, 0), (b"b", 3, 1), (b"c", 4, 2)):
+        m.receive(who, register("worker", pid, slot), 0.0)
+    m.tick(0.1)
+    m.tick(1.2)
+    for i, who in enumerate((b"a", b"b")):
+        m.receive(who, Message("finalize", 7 + i, "worker"), 2.0)
+    actions = []
+    for t in range(2, 80):  # worker 2 is silent from now on
+        m.receive(b"s", Message("heartbeat", 0, "x"), float(t))
+        actions += m.tick(t + 0.5)
+    assert any(isinstance(a, Exit) for a in actions) and m._present() == []
+    assert m.failure.startswith("no worker left training (2 finished, the last failed), and no")
 
 
 def test_a_stall_waiting_for_a_newcomer_says_so_and_how_to_avoid_it():
@@ -663,6 +684,40 @@ def _run_elastic(tmp_path, script, workers: str, options=()) -> tuple[int, str]:
         timeout=120,
     )
     return done.returncode, done.stdout + done.stderr
+
+
+def test_the_last_worker_failing_after_the_others_finished_ends_the_job_at_once(tmp_path):
+    """-n 2:3: workers 0 and 1 finish their 5 steps; worker 2 trains on and raises at its
+    20th. A newcomer in its slot would have nobody to take the model from: the launcher ends
+    the job at once with worker 2's status (it used to wait out the scheduler's 60 s start-up
+    timeout, then end 129 saying the job was short of workers)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, time\n"
+        "import numpy as np\n"
+        "import kvstore\n"
+        "slot = int(os.environ['KVSTORE_RANK'])\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(1, np.float32))\n"
+        "out = np.zeros(1, np.float32)\n"
+        "for step in range(5 if slot < 2 else 40):\n"
+        "    kv.pushpull('w', np.ones(1, np.float32), out=out)\n"
+        "    time.sleep(0.05)\n"
+        "    if slot == 2 and step == 20:\n"
+        "        raise RuntimeError('boom in the last worker')\n"
+        "kv.close()\n"
+    )
+    t0 = time.monotonic()
+    code, out = _run_elastic(tmp_path, script, "2:3")
+    assert code == 1, out
+    assert time.monotonic() - t0 < 30, out
+    said = (
+        "launch: worker 2 on localhost exited with status 1 (last output: 'RuntimeError: boom in "
+        "the last worker'); the other workers have finished, so no new one takes its slot: "
+        "stopping the job"
+    )
+    assert said in out, out
+    assert out.count("launch: started worker 2 ") == 1 and "fewer than" not in out, out
 
 
 def test_a_worker_that_always_fails_is_set_aside_and_the_job_says_so(tmp_path):

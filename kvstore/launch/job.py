@@ -146,10 +146,7 @@ class Supervisor:
                         self.say(f"the job has finished: {old.name} is not started again")
                         continue
                     if others and all(w.popen.poll() == 0 for w in others):
-                        self.say(
-                            f"the other workers have finished: {old.name} is not started again"
-                        )
-                        continue
+                        return self._end_after_last_failed(old)
                     self.start(dataclasses.replace(old, popen=None, last_lines=[]))
                 if done_at is not None and now > done_at + self.after_job_grace:
                     done_at = None
@@ -202,6 +199,10 @@ class Supervisor:
                             self.say("every worker slot is set aside: stopping the job")
                             self.stop()
                             return _status(proc.popen.returncode)
+                    elif (others := [w for w in self._latest_workers() if w is not proc]) and all(
+                        w.popen.poll() == 0 for w in others
+                    ):
+                        return self._end_after_last_failed(proc)
                     else:
                         going = any(w.popen.poll() is None for w in self._latest_workers())
                         self.say(
@@ -385,6 +386,17 @@ class Supervisor:
         else:
             self.say(f"every worker exited 0; stopping {names}, still running")
         self.stop()
+
+    def _end_after_last_failed(self, proc: Proc) -> int:
+        """An elastic job whose other workers have all finished, and ``proc``, the last still
+        training, failed: a newcomer in its slot would have nobody to take the model from,
+        so the job ends now with its status (not after the scheduler's start-up timeout)."""
+        self.say(
+            f"{proc.name} on {proc.where} {_describe(proc.popen.returncode)}{_tail(proc)}; "
+            "the other workers have finished, so no new one takes its slot: stopping the job"
+        )
+        self.stop()
+        return _status(proc.popen.returncode)
 
     def _report_failures(self, first: Proc) -> Proc:
         """Name ``first`` and every process that fails on its own within
