@@ -65,6 +65,31 @@ def poll_until(condition, timeout: float, interval: float = 0.05) -> bool:
     return True
 
 
+def shm_left(before: set) -> set:
+    """The ``kvs-`` names in /dev/shm that are not in ``before`` and that no live process
+    maps or holds open: what a job left behind. A job running beside this one (tests run
+    side by side with -n) holds its segments for as long as it runs: not counted."""
+    from kvstore import shm
+
+    new = {n for n in os.listdir(shm.SHM_DIR) if n.startswith("kvs-")} - before
+    if not new:
+        return new
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                held.update(
+                    line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line
+                )
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/") :].split()[0])
+        except OSError:  # it ended meanwhile
+            continue
+    return new - held
+
+
 class Cluster:
     """Scheduler + servers now; workers run a snippet of Python via :meth:`run_workers`.
 

@@ -2,10 +2,11 @@
 script per cluster (tests/workers/sparse_nightly.py)."""
 
 import json
+import os
 
 import pytest
 
-from .cluster import poll_until
+from .cluster import poll_until, shm_left
 
 
 @pytest.mark.parametrize(
@@ -71,23 +72,17 @@ def test_checkpoint_of_rows_holds_rows_never_pushed(cluster, kind):
 def test_rows_through_shared_memory_are_exact(cluster, use):
     """The rows of a same-host worker go through shared segments (grown as pushes grow),
     with the same results as through TCP, and leave no file behind."""
-    import os
-
     from kvstore import shm
 
-    def ours():
-        return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("kvs-")}
-
-    before = ours()
+    before = set(os.listdir(shm.SHM_DIR))
     c = cluster(2, 2, KVSTORE_SHM=use)
     outs = c.run_workers("sparse_shm.py", [15], timeout=120)
     for out in outs:
         assert f"shares memory with {2 if use == '1' else 0} servers" in out, out
         assert f"rows through {2 if use == '1' else 0} segments; OK 15 steps exact" in out, out
     c.wait([c.procs["server0"], c.procs["server1"]], 20)
-    # another job's segments (with -n, tests run side by side) go within ms; a file
-    # this job left stays
-    assert poll_until(lambda: ours() <= before, 5), ours() - before
+    # (the names a worker unlinks once its server mapped them go within ms)
+    assert poll_until(lambda: not shm_left(before), 5), shm_left(before)
 
 
 @pytest.mark.parametrize(
