@@ -148,12 +148,16 @@ def run_cluster(args, mode: str, compression: str | None, replicas: int = 1) -> 
     try:
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "kvstore.scheduler"], env=dict(env, DMLC_ROLE="scheduler")
+                [sys.executable, "-m", "kvstore.scheduler"],
+                env=dict(env, DMLC_ROLE="scheduler"),
+                cwd=ROOT,  # -m puts the current directory first: this tree's kvstore, not another's
             )
         )
         procs += [
             subprocess.Popen(
-                [sys.executable, "-m", "kvstore.server"], env=dict(env, DMLC_ROLE="server")
+                [sys.executable, "-m", "kvstore.server"],
+                env=dict(env, DMLC_ROLE="server"),
+                cwd=ROOT,
             )
             for _ in range(args.servers)
         ]

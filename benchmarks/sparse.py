@@ -226,7 +226,7 @@ def job_memory_rows(args) -> list[dict]:
         procs = []
         try:
             for role, cmd in roles:
-                procs.append((role, subprocess.Popen(cmd, env=dict(env, DMLC_ROLE=role))))
+                procs.append((role, subprocess.Popen(cmd, env=dict(env, DMLC_ROLE=role), cwd=ROOT)))
             worker = subprocess.Popen(
                 me,
                 env=dict(env, DMLC_ROLE="worker", KVSTORE_RANK="0"),
@@ -317,12 +317,16 @@ def run_cluster(args, anchor: str = "") -> list[dict]:
     try:
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "kvstore.scheduler"], env=dict(env, DMLC_ROLE="scheduler")
+                [sys.executable, "-m", "kvstore.scheduler"],
+                env=dict(env, DMLC_ROLE="scheduler"),
+                cwd=ROOT,  # -m puts the current directory first: this tree's kvstore, not another's
             )
         )
         procs += [
             subprocess.Popen(
-                [sys.executable, "-m", "kvstore.server"], env=dict(env, DMLC_ROLE="server")
+                [sys.executable, "-m", "kvstore.server"],
+                env=dict(env, DMLC_ROLE="server"),
+                cwd=ROOT,
             )
             for _ in range(args.servers)
         ]
