@@ -373,18 +373,25 @@ def test_scheduler_starts_with_min_lets_workers_leave_and_join_and_fences_the_go
     assert book.kind == "book" and book.body["rank"] == 0  # the waiting one takes slot 0
 
 
-@pytest.mark.parametrize("how", ["finished", "died"])
-def test_workers_that_finished_count_toward_min_and_dead_ones_do_not(how):
-    """-n 2:3: workers 0 and 1 leave while worker 2 trains on. Finished (their data ran out),
-    they did their part: the job goes on with one worker. Died, it is one worker short of
-    MIN, and fails once no newcomer came within the start-up timeout (60 s)."""
-    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
+def _started_with_three(min_workers: int) -> Membership:
+    """A scheduler's membership of an elastic job (``-n MIN:3``, one server) started with
+    workers a, b and c in slots 0, 1 and 2 (pids 2, 3, 4; the server's pid 1)."""
+    m = Membership(make_cfg(min_workers=min_workers, heartbeat_timeout=3.0), 0.0)
     m.receive(b"s", register("server", 1), 0.0)
     for who, pid, slot in ((b"a", 2, 0), (b"b", 3, 1), (b"c", 4, 2)):
         m.receive(who, register("worker", pid, slot), 0.0)
     m.tick(0.1)
     m.tick(1.2)  # (the start's grace for the others)
     assert m.ready
+    return m
+
+
+@pytest.mark.parametrize("how", ["finished", "died"])
+def test_workers_that_finished_count_toward_min_and_dead_ones_do_not(how):
+    """-n 2:3: workers 0 and 1 leave while worker 2 trains on. Finished (their data ran out),
+    they did their part: the job goes on with one worker. Died, it is one worker short of
+    MIN, and fails once no newcomer came within the start-up timeout (60 s)."""
+    m = _started_with_three(min_workers=2)
     if how == "finished":
         for i, who in enumerate((b"a", b"b")):
             m.receive(who, Message("finalize", 7 + i, "worker"), 2.0)
@@ -405,13 +412,7 @@ def test_a_slot_that_finished_twice_counts_once_toward_min():
     """-n 3:3: worker 0 finishes, a newcomer takes its slot and finishes too, then worker 2
     dies. One worker trains on, and slot 0 finished: two of the three MIN, not three (the
     slot is not counted once per holder). No newcomer comes: the job fails, saying why."""
-    m = Membership(make_cfg(min_workers=3, heartbeat_timeout=3.0), 0.0)
-    m.receive(b"s", register("server", 1), 0.0)
-    for who, pid, slot in ((b"a", 2, 0), (b"b", 3, 1), (b"c", 4, 2)):
-        m.receive(who, register("worker", pid, slot), 0.0)
-    m.tick(0.1)
-    m.tick(1.2)
-    assert m.ready
+    m = _started_with_three(min_workers=3)
     m.receive(b"a", Message("finalize", 7, "worker"), 2.0)
     actions = m.receive(b"d", register("worker", 5, 0), 2.1)  # slot 0 again
     assert next(a for a in actions if isinstance(a, Send)).message.body["rank"] == 0
@@ -430,12 +431,7 @@ def test_the_last_worker_dying_after_the_others_finished_is_said_as_such():
     """-n 2:3 under a launcher that starts no replacement: workers 0 and 1 finish, then
     worker 2 dies. After the start-up timeout the job fails saying no worker is left
     training, not that it is short of the MIN the finished ones make up."""
-    m = Membership(make_cfg(min_workers=2, heartbeat_timeout=3.0), 0.0)
-    m.receive(b"s", register("server", 1), 0.0)
-    for who, pid, slot in ((b"a", 2, 0), (b"b", 3, 1), (b"c", 4, 2)):
-        m.receive(who, register("worker", pid, slot), 0.0)
-    m.tick(0.1)
-    m.tick(1.2)
+    m = _started_with_three(min_workers=2)
     for i, who in enumerate((b"a", b"b")):
         m.receive(who, Message("finalize", 7 + i, "worker"), 2.0)
     actions = []
