@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from . import auth, channel, metrics, shm, transport
+from . import auth, channel, metrics, rowsearch, shm, transport
 from . import optimizer as opt
 from .compression import Compression, PullCodes, packed_size
 from .config import Config, bind_host, setup_logging, warn_if_insecure
@@ -50,7 +50,7 @@ from .protocol import (
 )
 from .replication import Backup, Primary
 from .rounds import Apply, Fail, Reply, Rounds
-from .sharding import acting, row_server
+from .sharding import acting
 from .sparse import (
     SparseKeys,
     bounds_of,
@@ -1677,29 +1677,28 @@ class Server:
         None for a hashed one."""
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"key {_show(key)}: row ids must be 1-D int64, got {ids.dtype}")
-        if ids.size:
-            if ids[0] < 0 or ids[-1] >= nrows or (ids.size > 1 and not (ids[1:] > ids[:-1]).all()):
-                hint = (
-                    f" (the key's {nrows} rows: did every worker init it with that shape?)"
-                    if ids[0] < 0 or ids[-1] >= nrows
-                    else ""
-                )
-                raise ValueError(
-                    f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows}){hint}"
-                )
-            servers = self.cfg.num_server
-            if owned is not None:  # sorted: the first and the last say it
-                if ids[0] < owned[0] or ids[-1] >= owned[1]:
-                    raise ValueError(
-                        f"key {_show(key)}: row ids of another server (this one holds "
-                        f"[{owned[0]}, {owned[1]}) of the key, sharded by range: did every "
-                        "worker init it with the same sharding?)"
-                    )
-            elif servers > 1 and (row_server(ids, servers) != key[1]).any():
-                raise ValueError(
-                    f"key {_show(key)}: row ids of another server (the key is sharded by "
-                    "hash here: did every worker init it with the same sharding?)"
-                )
+        servers = self.cfg.num_server if owned is None else 1
+        bad = rowsearch.check(ids, nrows, servers, key[1])
+        if bad == rowsearch.ORDER:
+            hint = (
+                f" (the key's {nrows} rows: did every worker init it with that shape?)"
+                if ids[0] < 0 or ids[-1] >= nrows
+                else ""
+            )
+            raise ValueError(
+                f"key {_show(key)}: row ids must be sorted, unique and in [0, {nrows}){hint}"
+            )
+        if bad == rowsearch.SERVER:
+            raise ValueError(
+                f"key {_show(key)}: row ids of another server (the key is sharded by "
+                "hash here: did every worker init it with the same sharding?)"
+            )
+        if owned is not None and ids.size and (ids[0] < owned[0] or ids[-1] >= owned[1]):
+            raise ValueError(  # sorted: the first and the last say it
+                f"key {_show(key)}: row ids of another server (this one holds "
+                f"[{owned[0]}, {owned[1]}) of the key, sharded by range: did every "
+                "worker init it with the same sharding?)"
+            )
         if rows is not None and (rows.dtype != dtype or rows.shape != (ids.size, dim)):
             raise ValueError(
                 f"key {_show(key)}: got rows {rows.shape} x {rows.dtype}, expected "

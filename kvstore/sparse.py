@@ -8,9 +8,10 @@ that were pushed, and a push or a pull carries only the rows it names.
 - An initializer spec (:func:`zeros`, :func:`constant`, :func:`uniform`, :func:`normal`) gives
   every row its first value; the random ones hash ``(seed, row id, column)`` (a counter-based
   generator), so a row gets the same first value on any server, whenever it is created.
-- :class:`RowTable` is one server's share of a key: a sorted id index (``np.searchsorted``)
-  into a growable 2-D block, the optimizer's state in blocks of the same rows, and the step at
-  which each row last changed (:meth:`RowTable.changed_since`). Every operation is vectorised.
+- :class:`RowTable` is one server's share of a key: a sorted id index (searched by
+  :mod:`kvstore.rowsearch`) into a growable 2-D block, the optimizer's state in blocks of the
+  same rows, and the step at which each row last changed (:meth:`RowTable.changed_since`).
+  Every operation is vectorised.
 - :func:`kvstore.sharding.row_server` spreads the rows of a key over the servers by id (a
   hash, the default); a key made with ``sharding="range"`` gives each server a range of ids
   (:func:`kvstore.sharding.row_bounds`), so a worker's sorted ids travel as runs.
@@ -34,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import rowsearch
 from .arrays import to_host
 from .plan import SHM_FROM, Outgoing, ReplyError
 from .sharding import row_bounds, row_server
@@ -485,14 +487,7 @@ class RowTable:
         if self.direct is not None:
             slots = self.direct[ids] - 1
             return slots >= 0, slots
-        n = self.ids.size
-        if n == 0:
-            return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32)
-        pos = np.searchsorted(self.ids, ids)
-        found = self.ids.take(pos, mode="clip") == ids  # past the end: clipped, not equal
-        if found.all():  # every row present: the common case, one pass less
-            return found, self.slots[pos]
-        return found, np.where(found, self.slots.take(pos, mode="clip"), -1)
+        return rowsearch.find(self.ids, self.slots, ids)
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Slots of sorted unique ``ids``, creating the absent rows."""

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -112,6 +113,8 @@ def test_wheel_metadata(tmp_path):
     assert meta["Name"] == "kvstore-ps" and meta["Version"] == kvstore.__version__
     assert "kvstore/py.typed" in names and "kvstore/__main__.py" in names
     assert not any(n.startswith("tests/") for n in names)
+    if shutil.which(sysconfig.get_config_var("CC").split()[0]):  # the C module (optional)
+        assert [n for n in names if n.startswith("kvstore/_rowsearch.") and n.endswith(".so")]
     requires = meta.get_all("Requires-Dist")
     assert not [r for r in requires if "torch" in r]
     assert any(r.startswith("cupy-cuda12x") and 'extra == "cuda"' in r for r in requires)

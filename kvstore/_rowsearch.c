@@ -1,0 +1,154 @@
+/* The two per-push loops of a row-sparse server, in one pass each instead of NumPy's five
+ * (kvstore/rowsearch.py is the interface and the NumPy reference: read it first).
+ *
+ *   check(ids, rows, num_server, server)  0: sorted, unique, in [0, rows) and, with
+ *                                         num_server > 1, every id this server's (the hash
+ *                                         of sharding.row_server); 1: not sorted, unique
+ *                                         and in range; 2: an id of another server
+ *   find(stored, slots, ids, out)         out[i] = slots[j] where stored[j] == ids[i], else
+ *                                         -1; returns how many were found. ``stored`` is
+ *                                         sorted; ``ids`` any order, fastest sorted: each
+ *                                         search gallops on from the last one's place
+ *                                         instead of a fresh binary search of the table.
+ *
+ * The arrays come through the buffer protocol (no NumPy headers at build time): int64 ids,
+ * int32 slots, C-contiguous; the Python side guarantees the types, this checks the sizes. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* sharding.row_server: a Fibonacci hash of the id's 64 bits, its upper half, mod servers */
+static inline int64_t row_server(int64_t id, uint64_t num_server)
+{
+    uint64_t mixed = ((uint64_t)id * 0x9E3779B97F4A7C15ULL) >> 32;
+    return (int64_t)(mixed % num_server);
+}
+
+static int take_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
+                       const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                                               : PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items",
+                     what, view->len, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *check(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    long long rows, num_server, server;
+    Py_buffer ids;
+    if (!PyArg_ParseTuple(args, "OLLL", &obj, &rows, &num_server, &server))
+        return NULL;
+    if (num_server < 1) {
+        PyErr_SetString(PyExc_ValueError, "num_server must be at least 1");
+        return NULL;
+    }
+    if (take_buffer(obj, &ids, 8, 0, "ids") < 0)
+        return NULL;
+    const int64_t *id = ids.buf;
+    Py_ssize_t n = ids.len / 8;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (n && (id[0] < 0 || id[n - 1] >= rows))
+        bad = 1;
+    for (Py_ssize_t i = 1; i < n && !bad; i++)
+        if (id[i] <= id[i - 1])
+            bad = 1;
+    if (!bad && num_server > 1)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (row_server(id[i], (uint64_t)num_server) != server) {
+                bad = 2;
+                break;
+            }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ids);
+    return PyLong_FromLong(bad);
+}
+
+static PyObject *find(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_buffer stored, slots, ids, out;
+    Py_ssize_t found = -1; /* -1: an error is set */
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3]))
+        return NULL;
+    if (take_buffer(objs[0], &stored, 8, 0, "stored") < 0)
+        return NULL;
+    if (take_buffer(objs[1], &slots, 4, 0, "slots") < 0)
+        goto stored_only;
+    if (take_buffer(objs[2], &ids, 8, 0, "ids") < 0)
+        goto slots_too;
+    if (take_buffer(objs[3], &out, 4, 1, "out") < 0)
+        goto ids_too;
+    Py_ssize_t n = stored.len / 8, m = ids.len / 8;
+    if (slots.len / 4 != n || out.len / 4 != m) {
+        PyErr_Format(PyExc_ValueError,
+                     "find: %zd stored ids need as many slots (got %zd), %zd ids as many outs "
+                     "(got %zd)", n, slots.len / 4, m, out.len / 4);
+        goto all;
+    }
+    const int64_t *a = stored.buf, *q = ids.buf;
+    const int32_t *s = slots.buf;
+    int32_t *o = out.buf;
+    found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t lo = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t x = q[i];
+        if (i && x < q[i - 1])
+            lo = 0; /* unsorted ids: start this one's search afresh */
+        /* gallop: a[lo - 1] < x (or lo == 0); find hi with a[hi] >= x (or hi == n) */
+        Py_ssize_t hi = lo, step = 1;
+        while (hi < n && a[hi] < x) {
+            lo = hi + 1;
+            hi = step < n - hi ? hi + step : n;
+            step <<= 1;
+        }
+        while (lo < hi) {
+            Py_ssize_t mid = lo + ((hi - lo) >> 1);
+            if (a[mid] < x)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < n && a[lo] == x) {
+            o[i] = s[lo];
+            found++;
+        } else {
+            o[i] = -1;
+        }
+    }
+    Py_END_ALLOW_THREADS
+all:
+    PyBuffer_Release(&out);
+ids_too:
+    PyBuffer_Release(&ids);
+slots_too:
+    PyBuffer_Release(&slots);
+stored_only:
+    PyBuffer_Release(&stored);
+    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}
+
+static PyMethodDef methods[] = {
+    {"check", check, METH_VARARGS,
+     "check(ids, rows, num_server, server) -> 0 (good), 1 (order or range), 2 (server)"},
+    {"find", find, METH_VARARGS,
+     "find(stored, slots, ids, out) -> the number of ids found; out[i] = slot or -1"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvstore._rowsearch",
+    "Row-sparse id checks and lookups in C (kvstore.rowsearch has the NumPy reference).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__rowsearch(void) { return PyModule_Create(&module); }

@@ -1,0 +1,129 @@
+"""kvstore._rowsearch (C) against kvstore.rowsearch's NumPy reference, and the install that
+has no C compiler."""
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import rowsearch
+from kvstore.sharding import row_server
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_CC = shutil.which(sysconfig.get_config_var("CC").split()[0]) is not None
+
+
+def test_the_c_module_is_built_where_there_is_a_compiler():
+    if not HAS_CC:
+        pytest.skip("no C compiler here: kvstore runs its NumPy reference")
+    assert rowsearch.FAST, "pip install built no kvstore._rowsearch although a C compiler is here"
+
+
+fast_only = pytest.mark.skipif(not rowsearch.FAST, reason="kvstore._rowsearch not built")
+
+int64s = st.integers(-(2**63), 2**63 - 1)
+# ids near each other (runs, gaps, duplicates) and anywhere in int64 (the extremes)
+near = st.integers(-40, 40)
+
+
+@fast_only
+@settings(max_examples=400, deadline=None)
+@given(
+    stored=st.sets(st.one_of(near, int64s), max_size=60),
+    queries=st.lists(st.one_of(near, int64s), max_size=60),
+    sort=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_find_matches_the_numpy_reference(stored, queries, sort, seed):
+    stored = np.array(sorted(stored), np.int64)
+    slots = np.random.default_rng(seed).permutation(stored.size).astype(np.int32)
+    ids = np.array(sorted(queries) if sort else queries, np.int64)
+    found, where = rowsearch.find(stored, slots, ids, fast=True)
+    ref_found, ref_where = rowsearch.find(stored, slots, ids, fast=False)
+    assert found.tolist() == ref_found.tolist()
+    assert where.dtype == np.int32 and where.tolist() == ref_where.tolist()
+    # and the plain meaning: the slot of each id present, -1 of each absent
+    slot_of = dict(zip(stored.tolist(), slots.tolist(), strict=True))
+    assert where.tolist() == [slot_of.get(i, -1) for i in ids.tolist()]
+
+
+@fast_only
+def test_find_of_a_big_table_and_sorted_queries():
+    """Galloping far (10^6 rows stored, 2,048 sorted queries, half of them absent)."""
+    rng = np.random.default_rng(5)
+    stored = np.unique(rng.integers(0, 10**12, 10**6))
+    slots = rng.permutation(stored.size).astype(np.int32)
+    ids = np.sort(
+        np.concatenate([rng.choice(stored, 1024, replace=False), rng.integers(0, 10**12, 1024)])
+    )
+    found, where = rowsearch.find(stored, slots, ids, fast=True)
+    ref = rowsearch.find(stored, slots, ids, fast=False)
+    assert (found == ref[0]).all() and (where == ref[1]).all() and found.sum() >= 1024
+
+
+@fast_only
+@settings(max_examples=400, deadline=None)
+@given(
+    ids=st.lists(st.one_of(near, int64s), max_size=40),
+    sort=st.booleans(),
+    rows=st.one_of(st.integers(1, 50), st.just(2**63 - 1)),
+    num_server=st.integers(1, 7),
+    server=st.integers(0, 6),
+)
+def test_check_matches_the_numpy_reference(ids, sort, rows, num_server, server):
+    ids = np.array(sorted(set(ids)) if sort else ids, np.int64)
+    got = rowsearch.check(ids, rows, num_server, server, fast=True)
+    assert got == rowsearch.check(ids, rows, num_server, server, fast=False)
+    # and the plain meaning
+    listed = ids.tolist()
+    ordered = listed == sorted(set(listed)) and all(0 <= i < rows for i in listed)
+    mine = num_server == 1 or all(s == server for s in row_server(ids, num_server).tolist())
+    assert got == (
+        rowsearch.GOOD if ordered and mine else rowsearch.ORDER if not ordered else rowsearch.SERVER
+    )
+
+
+@fast_only
+def test_the_c_module_refuses_wrong_sizes_with_a_clear_error():
+    from kvstore import _rowsearch
+
+    stored = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="4 stored ids need as many slots"):
+        _rowsearch.find(stored, np.zeros(3, np.int32), stored, np.empty(4, np.int32))
+    with pytest.raises(ValueError, match="whole number of 8-byte items"):
+        _rowsearch.check(np.zeros(3, np.int32), 10, 1, 0)
+    read_only = np.zeros(4, np.int32)
+    read_only.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        _rowsearch.find(stored, np.zeros(4, np.int32), stored, read_only)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _rowsearch.find(stored, np.zeros(4, np.int32), stored, np.zeros(8, np.int32)[::2])
+
+
+@pytest.mark.slow
+def test_without_a_c_compiler_the_install_goes_on_without_the_c_module(tmp_path):
+    """What a machine without gcc gets: a wheel without kvstore._rowsearch, not a failed
+    install (and kvstore.rowsearch runs NumPy's passes)."""
+    if shutil.which("pip", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("no pip in this environment")
+    env = {"PATH": "/usr/bin:/bin", "CC": "/bin/false", "LDSHARED": "/bin/false"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path), str(ROOT)],
+        timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (wheel,) = tmp_path.glob("kvstore_ps-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvstore/rowsearch.py" in names
+    assert not [n for n in names if "_rowsearch" in n and n.endswith(".so")], names
