@@ -5,14 +5,21 @@
  *                                         num_server > 1, every id this server's (the hash
  *                                         of sharding.row_server); 1: not sorted, unique
  *                                         and in range; 2: an id of another server
- *   find(stored, slots, ids, out)         out[i] = slots[j] where stored[j] == ids[i], else
- *                                         -1; returns how many were found. ``stored`` is
- *                                         sorted; ``ids`` any order, fastest sorted: each
- *                                         search gallops on from the last one's place
- *                                         instead of a fresh binary search of the table.
+ *   find(stored, slots, ids, out[, changed, step])
+ *                                         out[i] = slots[j] where stored[j] == ids[i], else
+ *                                         -1; returns (found, again): how many were found,
+ *                                         and of those how many have changed[slot] == step
+ *                                         (0 without ``changed``). ``stored`` is sorted;
+ *                                         ``ids`` any order, fastest sorted: each search
+ *                                         gallops on from the last one's place instead of a
+ *                                         fresh binary search of the table.
+ *   split(ids, num_server, order, starts) the positions of each server's ids (row_server),
+ *                                         in the order of ``ids``: server s's are
+ *                                         order[starts[s]:starts[s + 1]] (a counting sort).
  *
- * The arrays come through the buffer protocol (no NumPy headers at build time): int64 ids,
- * int32 slots, C-contiguous; the Python side guarantees the types, this checks the sizes. */
+ * The arrays come through the buffer protocol (no NumPy headers at build time): int64 ids
+ * and positions, int32 slots and steps, C-contiguous; the Python side guarantees the types,
+ * this checks the sizes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -74,10 +81,12 @@ static PyObject *check(PyObject *self, PyObject *args)
 
 static PyObject *find(PyObject *self, PyObject *args)
 {
-    PyObject *objs[4];
-    Py_buffer stored, slots, ids, out;
-    Py_ssize_t found = -1; /* -1: an error is set */
-    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3]))
+    PyObject *objs[4], *changed_obj = Py_None;
+    long long step = 0;
+    Py_buffer stored, slots, ids, out, changed = {0};
+    Py_ssize_t found = -1, again = 0; /* found -1: an error is set */
+    if (!PyArg_ParseTuple(args, "OOOO|OL", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &changed_obj, &step))
         return NULL;
     if (take_buffer(objs[0], &stored, 8, 0, "stored") < 0)
         return NULL;
@@ -87,6 +96,8 @@ static PyObject *find(PyObject *self, PyObject *args)
         goto slots_too;
     if (take_buffer(objs[3], &out, 4, 1, "out") < 0)
         goto ids_too;
+    if (changed_obj != Py_None && take_buffer(changed_obj, &changed, 4, 0, "changed") < 0)
+        goto all;
     Py_ssize_t n = stored.len / 8, m = ids.len / 8;
     if (slots.len / 4 != n || out.len / 4 != m) {
         PyErr_Format(PyExc_ValueError,
@@ -95,7 +106,8 @@ static PyObject *find(PyObject *self, PyObject *args)
         goto all;
     }
     const int64_t *a = stored.buf, *q = ids.buf;
-    const int32_t *s = slots.buf;
+    const int32_t *s = slots.buf, *c = changed.buf;
+    Py_ssize_t c_len = changed.len / 4;
     int32_t *o = out.buf;
     found = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -105,11 +117,11 @@ static PyObject *find(PyObject *self, PyObject *args)
         if (i && x < q[i - 1])
             lo = 0; /* unsorted ids: start this one's search afresh */
         /* gallop: a[lo - 1] < x (or lo == 0); find hi with a[hi] >= x (or hi == n) */
-        Py_ssize_t hi = lo, step = 1;
+        Py_ssize_t hi = lo, stride = 1;
         while (hi < n && a[hi] < x) {
             lo = hi + 1;
-            hi = step < n - hi ? hi + step : n;
-            step <<= 1;
+            hi = stride < n - hi ? hi + stride : n;
+            stride <<= 1;
         }
         while (lo < hi) {
             Py_ssize_t mid = lo + ((hi - lo) >> 1);
@@ -119,14 +131,19 @@ static PyObject *find(PyObject *self, PyObject *args)
                 hi = mid;
         }
         if (lo < n && a[lo] == x) {
-            o[i] = s[lo];
+            int32_t slot = s[lo];
+            o[i] = slot;
             found++;
+            if (c && slot >= 0 && slot < c_len && c[slot] == step)
+                again++;
         } else {
             o[i] = -1;
         }
     }
     Py_END_ALLOW_THREADS
 all:
+    if (changed.obj)
+        PyBuffer_Release(&changed);
     PyBuffer_Release(&out);
 ids_too:
     PyBuffer_Release(&ids);
@@ -134,14 +151,73 @@ slots_too:
     PyBuffer_Release(&slots);
 stored_only:
     PyBuffer_Release(&stored);
-    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+    return found < 0 ? NULL : Py_BuildValue("nn", found, again);
+}
+
+static PyObject *split(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    long long num_server;
+    Py_buffer ids, order, starts;
+    if (!PyArg_ParseTuple(args, "OLOO", &objs[0], &num_server, &objs[1], &objs[2]))
+        return NULL;
+    if (num_server < 1) {
+        PyErr_SetString(PyExc_ValueError, "num_server must be at least 1");
+        return NULL;
+    }
+    if (take_buffer(objs[0], &ids, 8, 0, "ids") < 0)
+        return NULL;
+    if (take_buffer(objs[1], &order, 8, 1, "order") < 0) {
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (take_buffer(objs[2], &starts, 8, 1, "starts") < 0) {
+        PyBuffer_Release(&order);
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    Py_ssize_t n = ids.len / 8;
+    int ok = order.len / 8 == n && starts.len / 8 == num_server + 1;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "split: %zd ids need as many positions (got %zd), %lld servers %lld "
+                     "starts (got %zd)", n, order.len / 8, num_server, num_server + 1,
+                     starts.len / 8);
+    else {
+        const int64_t *id = ids.buf;
+        int64_t *o = order.buf, *start = starts.buf;
+        uint64_t servers = (uint64_t)num_server;
+        Py_BEGIN_ALLOW_THREADS
+        for (long long k = 0; k <= num_server; k++)
+            start[k] = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            start[row_server(id[i], servers) + 1]++;
+        for (long long k = 0; k < num_server; k++)
+            start[k + 1] += start[k];
+        /* start[k] is server k's next free place while filling, its end afterwards */
+        for (Py_ssize_t i = 0; i < n; i++)
+            o[start[row_server(id[i], servers)]++] = i;
+        for (long long k = num_server; k > 0; k--)
+            start[k] = start[k - 1];
+        start[0] = 0;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&order);
+    PyBuffer_Release(&ids);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"check", check, METH_VARARGS,
      "check(ids, rows, num_server, server) -> 0 (good), 1 (order or range), 2 (server)"},
     {"find", find, METH_VARARGS,
-     "find(stored, slots, ids, out) -> the number of ids found; out[i] = slot or -1"},
+     "find(stored, slots, ids, out[, changed, step]) -> (found, again); out[i] = slot or -1"},
+    {"split", split, METH_VARARGS,
+     "split(ids, num_server, order, starts): server s's positions are "
+     "order[starts[s]:starts[s + 1]]"},
     {NULL, NULL, 0, NULL},
 };
 

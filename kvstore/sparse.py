@@ -38,7 +38,7 @@ import numpy as np
 from . import rowsearch
 from .arrays import to_host
 from .plan import SHM_FROM, Outgoing, ReplyError
-from .sharding import row_bounds, row_server
+from .sharding import row_bounds
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CHUNK = 1 << 20  # elements per initializer chunk: bounded temporaries for big creations
@@ -487,7 +487,20 @@ class RowTable:
         if self.direct is not None:
             slots = self.direct[ids] - 1
             return slots >= 0, slots
-        return rowsearch.find(self.ids, self.slots, ids)
+        found, slots, _ = rowsearch.find(self.ids, self.slots, ids)
+        return found, slots
+
+    def _find_again(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`find`, and which of the rows found an earlier push of this round wrote
+        (changed at this step); None when none did (the search counts them)."""
+        if self.direct is None:
+            found, where, again = rowsearch.find(self.ids, self.slots, ids, self.changed, self.step)
+            if not again:
+                return found, where, None
+        else:
+            found, where = self.find(ids)
+        again = found & (self.changed.take(where, mode="clip") == self.step)
+        return found, where, (again if again.any() else None)
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Slots of sorted unique ``ids``, creating the absent rows."""
@@ -670,11 +683,10 @@ class RowTable:
         self._next_step()
         zero, kept, dups = self.dtype.type(0), [], []
         for ids, rows, normal in pushes:
-            found, where = self.find(ids)
-            again = None
             if kept and self.count:  # (before the round's first push no row is at this step)
-                again = found & (self.changed.take(where, mode="clip") == self.step)
-                again = again if again.any() else None
+                found, where, again = self._find_again(ids)
+            else:
+                (found, where), again = self.find(ids), None
             if not found.all():
                 where = self._create(ids, found, where)
             # one scatter per push: a row's first push this round writes 0 + its rows, a
@@ -934,16 +946,8 @@ def split_by_server(ids: np.ndarray, num_server: int, bounds=None) -> list:
             edges = [0, *np.searchsorted(ids, bounds[1:-1]).tolist(), ids.size]
             return [slice(lo, hi) for lo, hi in zip(edges, edges[1:], strict=False)]
         where = np.searchsorted(np.asarray(bounds, np.int64), ids, side="right") - 1
-    else:
-        where = row_server(ids, num_server)
-    if num_server == 2:  # two masks beat a sort
-        first = where == 0
-        return [np.flatnonzero(first), np.flatnonzero(~first)]
-    if num_server <= 1 << 16:  # small ints: a radix sort
-        where = where.astype(np.uint16)
-    order = np.argsort(where, kind="stable")
-    bounds = np.searchsorted(where[order], np.arange(num_server + 1))
-    return [order[bounds[s] : bounds[s + 1]] for s in range(num_server)]
+        return rowsearch.group(where, num_server)
+    return rowsearch.split(ids, num_server)
 
 
 def size(pos) -> int:

@@ -45,13 +45,18 @@ def test_find_matches_the_numpy_reference(stored, queries, sort, seed):
     stored = np.array(sorted(stored), np.int64)
     slots = np.random.default_rng(seed).permutation(stored.size).astype(np.int32)
     ids = np.array(sorted(queries) if sort else queries, np.int64)
-    found, where = rowsearch.find(stored, slots, ids, fast=True)
-    ref_found, ref_where = rowsearch.find(stored, slots, ids, fast=False)
-    assert found.tolist() == ref_found.tolist()
-    assert where.dtype == np.int32 and where.tolist() == ref_where.tolist()
-    # and the plain meaning: the slot of each id present, -1 of each absent
+    # each row's step: some at the step asked about (written earlier in the round)
+    changed = np.random.default_rng(seed + 1).integers(6, 8, stored.size).astype(np.int32)
+    for table in ((None, 0), (changed, 7)):
+        found, where, again = rowsearch.find(stored, slots, ids, *table, fast=True)
+        ref_found, ref_where, ref_again = rowsearch.find(stored, slots, ids, *table, fast=False)
+        assert found.tolist() == ref_found.tolist() and again == ref_again
+        assert where.dtype == np.int32 and where.tolist() == ref_where.tolist()
+    # and the plain meaning: the slot of each id present, -1 of each absent; again: how
+    # many of those present are at step 7
     slot_of = dict(zip(stored.tolist(), slots.tolist(), strict=True))
     assert where.tolist() == [slot_of.get(i, -1) for i in ids.tolist()]
+    assert again == sum(changed[slot_of[i]] == 7 for i in ids.tolist() if i in slot_of)
 
 
 @fast_only
@@ -63,7 +68,7 @@ def test_find_of_a_big_table_and_sorted_queries():
     ids = np.sort(
         np.concatenate([rng.choice(stored, 1024, replace=False), rng.integers(0, 10**12, 1024)])
     )
-    found, where = rowsearch.find(stored, slots, ids, fast=True)
+    found, where, _ = rowsearch.find(stored, slots, ids, fast=True)
     ref = rowsearch.find(stored, slots, ids, fast=False)
     assert (found == ref[0]).all() and (where == ref[1]).all() and found.sum() >= 1024
 
@@ -91,6 +96,21 @@ def test_check_matches_the_numpy_reference(ids, sort, rows, num_server, server):
 
 
 @fast_only
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(near, int64s), max_size=60), num_server=st.integers(1, 9))
+def test_split_matches_the_numpy_reference(ids, num_server):
+    ids = np.array(ids, np.int64)
+    got = rowsearch.split(ids, num_server, fast=True)
+    ref = rowsearch.split(ids, num_server, fast=False)
+    assert [p.tolist() for p in got] == [p.tolist() for p in ref]
+    # and the plain meaning: every position once, each with its server, in order
+    servers = row_server(ids, num_server).tolist()
+    assert [p.tolist() for p in got] == [
+        [i for i, s in enumerate(servers) if s == k] for k in range(num_server)
+    ]
+
+
+@fast_only
 def test_the_c_module_refuses_wrong_sizes_with_a_clear_error():
     from kvstore import _rowsearch
 
@@ -103,6 +123,8 @@ def test_the_c_module_refuses_wrong_sizes_with_a_clear_error():
     read_only.setflags(write=False)
     with pytest.raises(ValueError, match="read-only"):
         _rowsearch.find(stored, np.zeros(4, np.int32), stored, read_only)
+    with pytest.raises(ValueError, match="3 servers 4 starts"):
+        _rowsearch.split(stored, 3, np.empty(4, np.int64), np.empty(3, np.int64))
     with pytest.raises(ValueError, match="not C-contiguous"):
         _rowsearch.find(stored, np.zeros(4, np.int32), stored, np.zeros(8, np.int32)[::2])
 
@@ -113,10 +135,14 @@ def test_without_a_c_compiler_the_install_goes_on_without_the_c_module(tmp_path)
     install (and kvstore.rowsearch runs NumPy's passes)."""
     if shutil.which("pip", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("no pip in this environment")
+    # the sources as a fresh clone has them (not this tree's own build of the module)
+    src = tmp_path / "src"
+    junk = ("*.so", ".venv", ".git", "__pycache__", "build", "*.egg-info", ".*_cache")
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*junk))
     env = {"PATH": "/usr/bin:/bin", "CC": "/bin/false", "LDSHARED": "/bin/false"}
     run = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(tmp_path), str(ROOT)],
+        + ["-w", str(tmp_path), str(src)],
         timeout=300,
         capture_output=True,
         text=True,
