@@ -23,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* sharding.row_server: a Fibonacci hash of the id's 64 bits, its upper half, mod servers */
 static inline int64_t row_server(int64_t id, uint64_t num_server)
@@ -31,15 +32,22 @@ static inline int64_t row_server(int64_t id, uint64_t num_server)
     return (int64_t)(mixed % num_server);
 }
 
+/* A C-contiguous buffer of native signed integers of ``itemsize`` bytes (int64 or int32):
+ * anything else (floats, unsigned, the other width, big-endian) is refused, not misread. */
 static int take_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
                        const char *what)
 {
-    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
-                                               : PyBUF_C_CONTIGUOUS) < 0)
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
         return -1;
-    if (view->len % itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items",
-                     what, view->len, itemsize);
+    const char *format = view->format ? view->format : "B";
+    if (*format == '@' || *format == '=' || *format == '<')
+        format++;
+    int integer = format[0] && !format[1] && strchr(itemsize == 8 ? "lq" : "i", format[0]);
+    if (!integer || view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %s, got items of format '%s' (%zd bytes)",
+                     what, itemsize == 8 ? "int64" : "int32",
+                     view->format ? view->format : "B", view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -134,6 +142,7 @@ static PyObject *find(PyObject *self, PyObject *args)
             int32_t slot = s[lo];
             o[i] = slot;
             found++;
+            /* (a slot is always within ``changed``, which grows with the block) */
             if (c && slot >= 0 && slot < c_len && c[slot] == step)
                 again++;
         } else {
@@ -161,8 +170,8 @@ static PyObject *split(PyObject *self, PyObject *args)
     Py_buffer ids, order, starts;
     if (!PyArg_ParseTuple(args, "OLOO", &objs[0], &num_server, &objs[1], &objs[2]))
         return NULL;
-    if (num_server < 1) {
-        PyErr_SetString(PyExc_ValueError, "num_server must be at least 1");
+    if (num_server < 1 || num_server > (1LL << 31)) {
+        PyErr_SetString(PyExc_ValueError, "num_server must be in [1, 2**31]");
         return NULL;
     }
     if (take_buffer(objs[0], &ids, 8, 0, "ids") < 0)

@@ -5,8 +5,8 @@ At dim 16 a server spent about a quarter of its time on the last two (a push of 
 five NumPy passes to check the ids, a binary search of the table for each), and a worker a
 tenth of its own on the first. The C module ``kvstore._rowsearch``, built by ``pip install``
 when a C compiler is there, does each in one or two passes; this module's NumPy code is the
-reference it is tested against and what runs without it (``FAST`` says which). The answers
-are the same.
+reference it is tested against and what runs without it (``FAST`` says which; a function's
+``fast`` picks one, by default ``FAST``). The answers are the same.
 
 >>> import numpy as np
 >>> stored, slots = np.array([3, 8, 20]), np.array([2, 0, 1], np.int32)
@@ -34,11 +34,13 @@ FAST = _rowsearch is not None
 GOOD, ORDER, SERVER = 0, 1, 2  # check's answers
 
 
-def check(ids: np.ndarray, rows: int, num_server: int, server: int, fast: bool = FAST) -> int:
+def check(
+    ids: np.ndarray, rows: int, num_server: int, server: int, fast: bool | None = None
+) -> int:
     """Of 1-D int64 ``ids``: :data:`ORDER` unless sorted, unique and in ``[0, rows)``; else
     :data:`SERVER` if ``num_server > 1`` and one of them is another server's
     (:func:`~kvstore.sharding.row_server`); else :data:`GOOD`."""
-    if fast:
+    if FAST if fast is None else fast:
         return _rowsearch.check(np.ascontiguousarray(ids, np.int64), rows, num_server, server)
     if ids.size and (ids[0] < 0 or ids[-1] >= rows or not (ids[1:] > ids[:-1]).all()):
         return ORDER
@@ -53,14 +55,14 @@ def find(
     ids: np.ndarray,
     changed: np.ndarray | None = None,
     step: int = 0,
-    fast: bool = FAST,
+    fast: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(found mask, int32 slot per id (-1 where absent), again) of int64 ``ids`` in the sorted
     ``stored`` ids, whose rows are at int32 ``slots``. ``again``: how many of the rows found
     have ``changed[slot] == step`` (0 without ``changed``). Any ``ids``; sorted ones are the
     fast case (each search starts where the last one ended)."""
-    if fast:
-        where = np.empty(ids.size, np.int32)
+    if FAST if fast is None else fast:
+        where = np.empty(ids.shape, np.int32)
         count, again = _rowsearch.find(
             stored, slots, np.ascontiguousarray(ids, np.int64), where, changed, step
         )
@@ -80,10 +82,10 @@ def find(
     return found, where, again
 
 
-def split(ids: np.ndarray, num_server: int, fast: bool = FAST) -> list[np.ndarray]:
+def split(ids: np.ndarray, num_server: int, fast: bool | None = None) -> list[np.ndarray]:
     """Where each server's rows are in int64 ``ids`` (:func:`~kvstore.sharding.row_server`):
     an index array per server, in the order of ``ids``."""
-    if fast:
+    if FAST if fast is None else fast:
         order = np.empty(ids.size, np.int64)
         starts = np.empty(num_server + 1, np.int64)
         _rowsearch.split(np.ascontiguousarray(ids, np.int64), num_server, order, starts)

@@ -15,6 +15,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def can_build_c() -> bool:
+    """Whether ``pip install`` here can build kvstore's optional C module: a C compiler and
+    Python's headers (gcc without python3-dev builds nothing, and the install goes on)."""
+    import shutil
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "").split()
+    headers = Path(sysconfig.get_paths()["include"], "Python.h")
+    return bool(cc) and shutil.which(cc[0]) is not None and headers.exists()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,13 +6,14 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import kvstore
+
+from .cluster import can_build_c
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def test_wheel_metadata(tmp_path):
     assert meta["Name"] == "kvstore-ps" and meta["Version"] == kvstore.__version__
     assert "kvstore/py.typed" in names and "kvstore/__main__.py" in names
     assert not any(n.startswith("tests/") for n in names)
-    if shutil.which(sysconfig.get_config_var("CC").split()[0]):  # the C module (optional)
+    if can_build_c():  # the C module (optional)
         assert [n for n in names if n.startswith("kvstore/_rowsearch.") and n.endswith(".so")]
     requires = meta.get_all("Requires-Dist")
     assert not [r for r in requires if "torch" in r]

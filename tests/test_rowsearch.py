@@ -4,7 +4,6 @@ has no C compiler."""
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -16,13 +15,14 @@ from hypothesis import strategies as st
 from kvstore import rowsearch
 from kvstore.sharding import row_server
 
+from .cluster import can_build_c
+
 ROOT = Path(__file__).resolve().parent.parent
-HAS_CC = shutil.which(sysconfig.get_config_var("CC").split()[0]) is not None
 
 
 def test_the_c_module_is_built_where_there_is_a_compiler():
-    if not HAS_CC:
-        pytest.skip("no C compiler here: kvstore runs its NumPy reference")
+    if not can_build_c():
+        pytest.skip("no C compiler or Python headers here: kvstore runs its NumPy reference")
     assert rowsearch.FAST, "pip install built no kvstore._rowsearch although a C compiler is here"
 
 
@@ -117,8 +117,16 @@ def test_the_c_module_refuses_wrong_sizes_with_a_clear_error():
     stored = np.arange(4, dtype=np.int64)
     with pytest.raises(ValueError, match="4 stored ids need as many slots"):
         _rowsearch.find(stored, np.zeros(3, np.int32), stored, np.empty(4, np.int32))
-    with pytest.raises(ValueError, match="whole number of 8-byte items"):
+    with pytest.raises(TypeError, match="ids: expected int64, got items of format 'i'"):
         _rowsearch.check(np.zeros(3, np.int32), 10, 1, 0)
+    with pytest.raises(TypeError, match="stored: expected int64"):
+        _rowsearch.find(stored.astype(float), np.zeros(4, np.int32), stored, np.empty(4, np.int32))
+    with pytest.raises(TypeError, match="changed: expected int32"):  # not misread as half as many
+        _rowsearch.find(stored, np.zeros(4, np.int32), stored, np.empty(4, np.int32), stored, 0)
+    with pytest.raises(TypeError, match="expected int64"):  # unsigned is not signed
+        _rowsearch.check(np.zeros(3, np.uint64), 10, 1, 0)
+    with pytest.raises(TypeError, match="expected int64"):  # nor big-endian
+        _rowsearch.check(np.zeros(3, ">i8"), 10, 1, 0)
     read_only = np.zeros(4, np.int32)
     read_only.setflags(write=False)
     with pytest.raises(ValueError, match="read-only"):

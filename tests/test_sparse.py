@@ -1,6 +1,8 @@
 """Row-sparse values, the row store and row sharding, without processes: examples, MXNet
 1.9.1's lazy updates, and hypothesis against a dense NumPy model."""
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -10,11 +12,35 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import optimizer as opt
-from kvstore import sparse
+from kvstore import rowsearch, sparse
 from kvstore.sharding import row_server
 from kvstore.sparse import RowSparse, RowTable
 
 DATA = Path(__file__).parent / "data" / "mxnet_lazy.json"
+
+# the row id search a test runs: its C module where built, and always NumPy's (what an install
+# without a C compiler runs): the property tests below draw one per example
+SEARCH_PATHS = [False, True] if rowsearch.FAST else [False]
+
+
+@contextlib.contextmanager
+def search_path(fast: bool):
+    was, rowsearch.FAST = rowsearch.FAST, fast
+    try:
+        yield
+    finally:
+        rowsearch.FAST = was
+
+
+def drawn_search_path(test):
+    """Run ``test`` under the search path its ``c_search`` argument names."""
+
+    @functools.wraps(test)
+    def run(*args, c_search, **kwargs):
+        with search_path(c_search):
+            return test(*args, c_search=c_search, **kwargs)
+
+    return run
 
 
 def lazy_cases():
@@ -140,10 +166,12 @@ def test_local_store_matches_dense_model(ops, momentum, init):
 
 @settings(max_examples=80, deadline=None)
 @given(
+    c_search=st.sampled_from(SEARCH_PATHS),
     writes=st.lists(st.lists(st.integers(0, 2**62), max_size=20), max_size=6),
     reads=st.lists(st.integers(0, 2**62), max_size=20),
 )
-def test_row_table_matches_a_dict(writes, reads):
+@drawn_search_path
+def test_row_table_matches_a_dict(writes, reads, c_search):
     """The sorted-index store against a dict of rows: writes create rows, reads of absent rows
     give their initial value without storing them; ids up to 2**62."""
     init = sparse.uniform(-1, 1, seed=3)
@@ -182,12 +210,14 @@ def test_direct_map_comes_once_it_is_small_beside_the_rows():
 
 @settings(max_examples=150, deadline=None)
 @given(
+    c_search=st.sampled_from(SEARCH_PATHS),
     ids=st.lists(st.integers(0, 2**63 - 2), max_size=40),
     servers=st.integers(1, 5),
     sharding=st.sampled_from(["hash", "range"]),
     canonical=st.booleans(),
 )
-def test_row_split_is_a_partition(ids, servers, sharding, canonical):
+@drawn_search_path
+def test_row_split_is_a_partition(ids, servers, sharding, canonical, c_search):
     """Every id goes to exactly one server, the one row_server (or the range) names, in the
     order given; sorted ids of a range-sharded key as runs."""
     ids = np.array(ids, np.int64)
@@ -288,12 +318,14 @@ def test_memory_grows_with_rows_touched():
 
 @settings(max_examples=80, deadline=None)
 @given(
+    c_search=st.sampled_from(SEARCH_PATHS),
     rounds=st.lists(st.lists(st.integers(0, 15), max_size=6), max_size=14),
     admit=st.integers(1, 3),
     evict=st.sampled_from([0, 1, 2, 5]),
     direct=st.booleans(),
 )
-def test_admission_and_eviction_match_a_model(rounds, admit, evict, direct):
+@drawn_search_path
+def test_admission_and_eviction_match_a_model(rounds, admit, evict, direct, c_search):
     """A row is stored from the ``admit``-th round that pushes it; a row unchanged for
     ``evict`` rounds is dropped at the next check (every evict // 2 rounds); an absent row
     reads as its initial value. With a direct id map (16 rows) or the sorted index alone."""
@@ -340,12 +372,14 @@ def test_admission_candidates_age_out():
 
 @settings(max_examples=80, deadline=None)
 @given(
+    c_search=st.sampled_from(SEARCH_PATHS),
     rounds=st.lists(st.lists(ids_st, min_size=1, max_size=3), max_size=6),
     sgd=st.booleans(),
     seed=st.integers(0, 2**31),
     direct=st.booleans(),
 )
-def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct):
+@drawn_search_path
+def test_server_rounds_match_a_plain_sum(rounds, sgd, seed, direct, c_search):
     """A server's round (SparseKeys.apply: the workers' pushes added straight into the rows
     without an optimizer, summed first with one) leaves the same bits as adding the pushes
     in rank order and applying the sum (pushes given as ``0 +`` themselves, as a same-host
