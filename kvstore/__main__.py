@@ -63,14 +63,20 @@ def describe(env=None) -> str:
             )
         except Exception as exc:  # a broken CuPy install says why, it does not stop the report
             lines.append(f"  {module}: cannot import ({exc})")
-    from .rowsearch import FAST
+    from .rowsearch import FAST, STALE
 
-    lines.append(
-        "  row-sparse id search: C (kvstore._rowsearch)"
-        if FAST
-        else "  row-sparse id search: NumPy (slower: kvstore._rowsearch was not built, "
-        "as pip found no C compiler or Python headers)"
-    )
+    if FAST:
+        lines.append("  row-sparse id search: C (kvstore._rowsearch)")
+    elif STALE:
+        lines.append(
+            "  row-sparse id search: NumPy (slower: kvstore._rowsearch is another version's "
+            "build: run `pip install -e .` again)"
+        )
+    else:
+        lines.append(
+            "  row-sparse id search: NumPy (slower: kvstore._rowsearch was not built, as pip "
+            "found no C compiler or Python headers)"
+        )
     lines.append("")
     found = {k: v for k, v in env.items() if k in _SHOWN or k.startswith("KVSTORE_")}
     if not found:

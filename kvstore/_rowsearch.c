@@ -236,4 +236,14 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__rowsearch(void) { return PyModule_Create(&module); }
+/* API: what kvstore.rowsearch expects (rowsearch.API there); a change of any function's
+ * arguments or answers raises it, so an old build left in a tree is not called wrongly */
+PyMODINIT_FUNC PyInit__rowsearch(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "API", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -25,9 +25,14 @@ import numpy as np
 
 from .sharding import row_server
 
+API = 1  # the C module's (its API constant): another is a stale build, not called
+
 try:
     from . import _rowsearch
 except ImportError:  # installed without a C compiler: NumPy's passes, slower
+    _rowsearch = None
+STALE = _rowsearch is not None and getattr(_rowsearch, "API", 0) != API
+if STALE:  # an editable install's old build after a pull: `pip install -e .` builds it again
     _rowsearch = None
 
 FAST = _rowsearch is not None

@@ -161,3 +161,22 @@ def test_without_a_c_compiler_the_install_goes_on_without_the_c_module(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvstore/rowsearch.py" in names
     assert not [n for n in names if "_rowsearch" in n and n.endswith(".so")], names
+
+
+def test_a_stale_build_of_the_c_module_is_not_called():
+    """An editable install's build from before a change of the C functions (another API)
+    runs NumPy's path, and `python -m kvstore` says to build it again."""
+    probe = (
+        "import sys, types\n"
+        "sys.modules['kvstore._rowsearch'] = types.ModuleType('kvstore._rowsearch')\n"
+        "from kvstore import rowsearch\n"
+        "from kvstore.__main__ import describe\n"
+        "print(rowsearch.FAST, rowsearch.STALE)\n"
+        "print(describe({}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "False True"
+    assert "another version's build: run `pip install -e .` again" in out.stdout
