@@ -25,11 +25,24 @@
 #include <stdint.h>
 #include <string.h>
 
-/* sharding.row_server: a Fibonacci hash of the id's 64 bits, its upper half, mod servers */
-static inline int64_t row_server(int64_t id, uint64_t num_server)
+/* sharding.row_server: a Fibonacci hash of the id's 64 bits, its upper half, mod servers
+ * (at most 2**31 of them). The remainder by Lemire's exact 32-bit fastmod (two multiplies;
+ * a division takes several times as long, and each id needs one, twice in split) */
+typedef struct {
+    uint64_t magic; /* 2**64 / count, rounded up */
+    uint32_t count;
+} Servers;
+
+static inline Servers servers_of(long long num_server)
 {
-    uint64_t mixed = ((uint64_t)id * 0x9E3779B97F4A7C15ULL) >> 32;
-    return (int64_t)(mixed % num_server);
+    Servers s = {UINT64_MAX / (uint32_t)num_server + 1, (uint32_t)num_server};
+    return s;
+}
+
+static inline uint32_t row_server(int64_t id, Servers s)
+{
+    uint32_t mixed = (uint32_t)(((uint64_t)id * 0x9E3779B97F4A7C15ULL) >> 32);
+    return (uint32_t)(((__uint128_t)(s.magic * mixed) * s.count) >> 64);
 }
 
 /* A C-contiguous buffer of native signed integers of ``itemsize`` bytes (int64 or int32):
@@ -61,8 +74,8 @@ static PyObject *check(PyObject *self, PyObject *args)
     Py_buffer ids;
     if (!PyArg_ParseTuple(args, "OLLL", &obj, &rows, &num_server, &server))
         return NULL;
-    if (num_server < 1) {
-        PyErr_SetString(PyExc_ValueError, "num_server must be at least 1");
+    if (num_server < 1 || num_server > (1LL << 31)) {
+        PyErr_SetString(PyExc_ValueError, "num_server must be in [1, 2**31]");
         return NULL;
     }
     if (take_buffer(obj, &ids, 8, 0, "ids") < 0)
@@ -76,9 +89,10 @@ static PyObject *check(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 1; i < n && !bad; i++)
         if (id[i] <= id[i - 1])
             bad = 1;
+    Servers servers = servers_of(num_server);
     if (!bad && num_server > 1)
         for (Py_ssize_t i = 0; i < n; i++)
-            if (row_server(id[i], (uint64_t)num_server) != server) {
+            if (row_server(id[i], servers) != server) {
                 bad = 2;
                 break;
             }
@@ -195,7 +209,7 @@ static PyObject *split(PyObject *self, PyObject *args)
     else {
         const int64_t *id = ids.buf;
         int64_t *o = order.buf, *start = starts.buf;
-        uint64_t servers = (uint64_t)num_server;
+        Servers servers = servers_of(num_server);
         Py_BEGIN_ALLOW_THREADS
         for (long long k = 0; k <= num_server; k++)
             start[k] = 0;
@@ -203,12 +217,21 @@ static PyObject *split(PyObject *self, PyObject *args)
             start[row_server(id[i], servers) + 1]++;
         for (long long k = 0; k < num_server; k++)
             start[k + 1] += start[k];
-        /* start[k] is server k's next free place while filling, its end afterwards */
-        for (Py_ssize_t i = 0; i < n; i++)
-            o[start[row_server(id[i], servers)]++] = i;
-        for (long long k = num_server; k > 0; k--)
-            start[k] = start[k - 1];
-        start[0] = 0;
+        if (num_server == 2) { /* the two places in registers: no chain through memory */
+            int64_t *first = o, *second = o + start[1];
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint32_t s = row_server(id[i], servers);
+                *(s ? second : first) = i;
+                first += !s;
+                second += s;
+            }
+        } else { /* start[k]: server k's next free place while filling, its end after */
+            for (Py_ssize_t i = 0; i < n; i++)
+                o[start[row_server(id[i], servers)]++] = i;
+            for (long long k = num_server; k > 0; k--)
+                start[k] = start[k - 1];
+            start[0] = 0;
+        }
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&starts);
