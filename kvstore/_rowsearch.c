@@ -1,5 +1,6 @@
-/* The two per-push loops of a row-sparse server, in one pass each instead of NumPy's five
- * (kvstore/rowsearch.py is the interface and the NumPy reference: read it first).
+/* The loops over every pushed row id: a server's check and search, a worker's split by
+ * server, each in one or two passes instead of NumPy's several (kvstore/rowsearch.py is the
+ * interface and the NumPy reference: read it first).
  *
  *   check(ids, rows, num_server, server)  0: sorted, unique, in [0, rows) and, with
  *                                         num_server > 1, every id this server's (the hash
@@ -18,8 +19,8 @@
  *                                         order[starts[s]:starts[s + 1]] (a counting sort).
  *
  * The arrays come through the buffer protocol (no NumPy headers at build time): int64 ids
- * and positions, int32 slots and steps, C-contiguous; the Python side guarantees the types,
- * this checks the sizes. */
+ * and positions, int32 slots and steps, C-contiguous; take_buffer refuses any other type,
+ * and each function checks the sizes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
