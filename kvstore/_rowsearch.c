@@ -1,26 +1,31 @@
-/* The loops over every pushed row id: a server's check and search, a worker's split by
- * server, each in one or two passes instead of NumPy's several (kvstore/rowsearch.py is the
- * interface and the NumPy reference: read it first).
+/* The loops over every pushed row id: a server's check, search and write of a push, a
+ * worker's split by server, each in one pass instead of NumPy's several (kvstore/rowsearch.py
+ * is the interface and the NumPy reference: read it first).
  *
  *   check(ids, rows, num_server, server)  0: sorted, unique, in [0, rows) and, with
  *                                         num_server > 1, every id this server's (the hash
  *                                         of sharding.row_server); 1: not sorted, unique
  *                                         and in range; 2: an id of another server
- *   find(stored, slots, ids, out[, changed, step])
- *                                         out[i] = slots[j] where stored[j] == ids[i], else
- *                                         -1; returns (found, again): how many were found,
- *                                         and of those how many have changed[slot] == step
- *                                         (0 without ``changed``). ``stored`` is sorted;
- *                                         ``ids`` any order, fastest sorted: each search
- *                                         gallops on from the last one's place instead of a
- *                                         fresh binary search of the table.
+ *   find(stored, slots, ids, out)         out[i] = slots[j] where stored[j] == ids[i], else
+ *                                         -1; returns how many were found. ``stored`` is
+ *                                         sorted; ``ids`` any order, fastest sorted: each
+ *                                         search gallops on from the last one's place
+ *                                         instead of a fresh binary search of the table.
+ *   assign(stored, slots, ids, rows, block, changed, step, again, where, flags)
+ *                                         find's search (or a direct map's lookup), and in
+ *                                         the same pass each found row written into the
+ *                                         block and marked changed at ``step`` (with
+ *                                         ``again``, a row marked so already is left as it
+ *                                         is and flagged): a round's push without an
+ *                                         optimizer, see rowsearch.assign.
  *   split(ids, num_server, order, starts) the positions of each server's ids (row_server),
  *                                         in the order of ``ids``: server s's are
  *                                         order[starts[s]:starts[s + 1]] (a counting sort).
  *
  * The arrays come through the buffer protocol (no NumPy headers at build time): int64 ids
  * and positions, int32 slots and steps, C-contiguous; take_buffer refuses any other type,
- * and each function checks the sizes. */
+ * and each function checks the sizes. Rows and the block are moved as bytes (any dtype:
+ * rowsearch.assign gives rows of the block's). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -102,14 +107,35 @@ static PyObject *check(PyObject *self, PyObject *args)
     return PyLong_FromLong(bad);
 }
 
+/* The place of ``x`` in the sorted ``a`` (n of them), or -1: a gallop on from ``*lo`` (the
+ * last search's place, where ``a[*lo - 1] < x`` held for the id before, ``prev``; afresh
+ * when ``x`` is smaller than it: unsorted ids), then a binary search. */
+static inline Py_ssize_t gallop(const int64_t *a, Py_ssize_t n, int64_t x, int64_t prev,
+                                Py_ssize_t *lo_at)
+{
+    Py_ssize_t lo = x < prev ? 0 : *lo_at, hi = lo, stride = 1;
+    while (hi < n && a[hi] < x) {
+        lo = hi + 1;
+        hi = stride < n - hi ? hi + stride : n;
+        stride <<= 1;
+    }
+    while (lo < hi) {
+        Py_ssize_t mid = lo + ((hi - lo) >> 1);
+        if (a[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *lo_at = lo;
+    return lo < n && a[lo] == x ? lo : -1;
+}
+
 static PyObject *find(PyObject *self, PyObject *args)
 {
-    PyObject *objs[4], *changed_obj = Py_None;
-    long long step = 0;
-    Py_buffer stored, slots, ids, out, changed = {0};
-    Py_ssize_t found = -1, again = 0; /* found -1: an error is set */
-    if (!PyArg_ParseTuple(args, "OOOO|OL", &objs[0], &objs[1], &objs[2], &objs[3],
-                          &changed_obj, &step))
+    PyObject *objs[4];
+    Py_buffer stored, slots, ids, out;
+    Py_ssize_t found = -1; /* -1: an error is set */
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3]))
         return NULL;
     if (take_buffer(objs[0], &stored, 8, 0, "stored") < 0)
         return NULL;
@@ -119,8 +145,6 @@ static PyObject *find(PyObject *self, PyObject *args)
         goto slots_too;
     if (take_buffer(objs[3], &out, 4, 1, "out") < 0)
         goto ids_too;
-    if (changed_obj != Py_None && take_buffer(changed_obj, &changed, 4, 0, "changed") < 0)
-        goto all;
     Py_ssize_t n = stored.len / 8, m = ids.len / 8;
     if (slots.len / 4 != n || out.len / 4 != m) {
         PyErr_Format(PyExc_ValueError,
@@ -129,45 +153,22 @@ static PyObject *find(PyObject *self, PyObject *args)
         goto all;
     }
     const int64_t *a = stored.buf, *q = ids.buf;
-    const int32_t *s = slots.buf, *c = changed.buf;
-    Py_ssize_t c_len = changed.len / 4;
+    const int32_t *s = slots.buf;
     int32_t *o = out.buf;
     found = 0;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t lo = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
-        int64_t x = q[i];
-        if (i && x < q[i - 1])
-            lo = 0; /* unsorted ids: start this one's search afresh */
-        /* gallop: a[lo - 1] < x (or lo == 0); find hi with a[hi] >= x (or hi == n) */
-        Py_ssize_t hi = lo, stride = 1;
-        while (hi < n && a[hi] < x) {
-            lo = hi + 1;
-            hi = stride < n - hi ? hi + stride : n;
-            stride <<= 1;
-        }
-        while (lo < hi) {
-            Py_ssize_t mid = lo + ((hi - lo) >> 1);
-            if (a[mid] < x)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo < n && a[lo] == x) {
-            int32_t slot = s[lo];
-            o[i] = slot;
+        Py_ssize_t at = gallop(a, n, q[i], i ? q[i - 1] : q[i], &lo);
+        if (at >= 0) {
+            o[i] = s[at];
             found++;
-            /* (a slot is always within ``changed``, which grows with the block) */
-            if (c && slot >= 0 && slot < c_len && c[slot] == step)
-                again++;
         } else {
             o[i] = -1;
         }
     }
     Py_END_ALLOW_THREADS
 all:
-    if (changed.obj)
-        PyBuffer_Release(&changed);
     PyBuffer_Release(&out);
 ids_too:
     PyBuffer_Release(&ids);
@@ -175,6 +176,109 @@ slots_too:
     PyBuffer_Release(&slots);
 stored_only:
     PyBuffer_Release(&stored);
+    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}
+
+/* Any C-contiguous buffer (the rows and the block: any dtype; moved as bytes). */
+static int take_bytes(PyObject *obj, Py_buffer *view, int writable)
+{
+    return PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0));
+}
+
+/* assign(stored, slots, ids, rows, block, changed, step, again, where, flags): a round's
+ * push written into the table in the same pass as its search. For each id (unique; sorted
+ * is the fast case): its slot (stored None: ``slots`` is the direct map, slot + 1 per id, 0
+ * absent) into where[i], or -1 and flags[i] = 1 when absent; with ``again`` a row found
+ * with changed[slot] == step (an earlier push of the round wrote it) is left as it is,
+ * flags[i] = 2; any other found row gets rows[i] (rowbytes bytes), changed[slot] = step,
+ * flags[i] = 0. Returns (found, again). */
+static PyObject *assign(PyObject *self, PyObject *args)
+{
+    PyObject *stored_obj, *objs[7];
+    long long step;
+    int check_again;
+    Py_buffer views[8];
+    memset(views, 0, sizeof views);
+    Py_buffer *stored = &views[0], *slots = &views[1], *ids = &views[2], *rows = &views[3];
+    Py_buffer *block = &views[4], *changed = &views[5], *where = &views[6], *flags = &views[7];
+    Py_ssize_t found = -1, again = 0; /* found -1: an error is set */
+    if (!PyArg_ParseTuple(args, "OOOOOOLpOO", &stored_obj, &objs[0], &objs[1], &objs[2],
+                          &objs[3], &objs[4], &step, &check_again, &objs[5], &objs[6]))
+        return NULL;
+    if (stored_obj != Py_None && take_buffer(stored_obj, stored, 8, 0, "stored") < 0)
+        return NULL;
+    if (take_buffer(objs[0], slots, 4, 0, "slots") < 0 ||
+        take_buffer(objs[1], ids, 8, 0, "ids") < 0 || take_bytes(objs[2], rows, 0) < 0 ||
+        take_bytes(objs[3], block, 1) < 0 || take_buffer(objs[4], changed, 4, 1, "changed") < 0 ||
+        take_buffer(objs[5], where, 4, 1, "where") < 0 || take_bytes(objs[6], flags, 1) < 0)
+        goto done;
+    Py_ssize_t n = stored->obj ? stored->len / 8 : 0, m = ids->len / 8;
+    Py_ssize_t slot_count = changed->len / 4;
+    Py_ssize_t rowbytes = m ? rows->len / m : 0;
+    if ((stored->obj && slots->len / 4 != n) || where->len / 4 != m || flags->len != m ||
+        (m && (rows->len % m || !rowbytes)) || (rowbytes && block->len / rowbytes < slot_count)) {
+        PyErr_Format(PyExc_ValueError,
+                     "assign: %zd stored ids need as many slots (got %zd); %zd ids need as many "
+                     "wheres (got %zd), flags (got %zd) and rows (got %zd bytes); the block "
+                     "(%zd bytes) needs a row per changed entry (%zd)", n, slots->len / 4, m,
+                     where->len / 4, flags->len, rows->len, block->len, slot_count);
+        goto done;
+    }
+    const int64_t *a = stored->buf, *q = ids->buf;
+    const int32_t *s = slots->buf;
+    const char *src = rows->buf;
+    char *dst = block->buf;
+    int32_t *c = changed->buf, *o = where->buf;
+    uint8_t *f = flags->buf;
+    Py_ssize_t direct = slots->len / 4;
+    int sorted = stored->obj != NULL;
+    int bad = 0;
+    found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t lo = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t x = q[i];
+        int32_t slot = -1;
+        if (!sorted) {
+            if (x < 0 || x >= direct) {
+                bad = 1;
+                break;
+            }
+            slot = s[x] - 1;
+        } else {
+            Py_ssize_t at = gallop(a, n, x, i ? q[i - 1] : x, &lo);
+            if (at >= 0)
+                slot = s[at];
+        }
+        o[i] = slot;
+        if (slot < 0) {
+            f[i] = 1;
+            continue;
+        }
+        if (slot >= slot_count) {
+            bad = 2;
+            break;
+        }
+        found++;
+        if (check_again && c[slot] == step) {
+            f[i] = 2;
+            again++;
+            continue;
+        }
+        memcpy(dst + slot * rowbytes, src + i * rowbytes, rowbytes);
+        c[slot] = (int32_t)step;
+        f[i] = 0;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, bad == 1 ? "assign: an id outside the direct map"
+                                                   : "assign: a slot outside the table");
+        found = -1;
+    }
+done:
+    for (int k = 0; k < 8; k++)
+        if (views[k].obj)
+            PyBuffer_Release(&views[k]);
     return found < 0 ? NULL : Py_BuildValue("nn", found, again);
 }
 
@@ -246,8 +350,10 @@ static PyObject *split(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"check", check, METH_VARARGS,
      "check(ids, rows, num_server, server) -> 0 (good), 1 (order or range), 2 (server)"},
-    {"find", find, METH_VARARGS,
-     "find(stored, slots, ids, out[, changed, step]) -> (found, again); out[i] = slot or -1"},
+    {"find", find, METH_VARARGS, "find(stored, slots, ids, out) -> found; out[i] = slot or -1"},
+    {"assign", assign, METH_VARARGS,
+     "assign(stored, slots, ids, rows, block, changed, step, again, where, flags) -> "
+     "(found, again): the rows written where found (and, with again, not written this step)"},
     {"split", split, METH_VARARGS,
      "split(ids, num_server, order, starts): server s's positions are "
      "order[starts[s]:starts[s + 1]]"},
@@ -265,7 +371,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__rowsearch(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 1) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

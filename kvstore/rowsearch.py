@@ -1,18 +1,20 @@
 """The loops over every pushed row id: a worker's split of them by server, a server's check
-of them and its search for their rows.
+of them, its search for their rows and its write of a round's push into them.
 
-At dim 16 a server spent about a quarter of its time on the last two (a push of 2,048 rows:
-five NumPy passes to check the ids, a binary search of the table for each), and a worker a
-tenth of its own on the first. The C module ``kvstore._rowsearch``, built by ``pip install``
-when a C compiler is there, does each in one or two passes; this module's NumPy code is the
-reference it is tested against and what runs without it (``FAST`` says which; a function's
-``fast`` picks one, by default ``FAST``). The answers are the same.
+At dim 16 a server spent about a quarter of its time on the check and search (a push of
+2,048 rows: five NumPy passes to check the ids, a binary search of the table for each), and
+a third once the scatter of the rows and the marking of their step are counted; a worker a
+tenth of its own on the split. The C module ``kvstore._rowsearch``, built by ``pip install``
+when a C compiler is there, does each in one pass (``assign``: the search, the rows and their
+steps together); this module's NumPy code is the reference it is tested against and what
+runs without it (``FAST`` says which; a function's ``fast`` picks one, by default ``FAST``).
+The answers are the same.
 
 >>> import numpy as np
 >>> stored, slots = np.array([3, 8, 20]), np.array([2, 0, 1], np.int32)
->>> found, where, again = find(stored, slots, np.array([8, 9, 20]))
->>> found.tolist(), where.tolist(), again
-([True, False, True], [0, -1, 1], 0)
+>>> found, where = find(stored, slots, np.array([8, 9, 20]))
+>>> found.tolist(), where.tolist()
+([True, False, True], [0, -1, 1])
 >>> check(np.array([1, 5]), 10, 1, 0), check(np.array([5, 1]), 10, 1, 0)
 (0, 1)
 >>> [p.tolist() for p in split(np.arange(8), 2)]
@@ -25,7 +27,7 @@ import numpy as np
 
 from .sharding import row_server
 
-API = 1  # the C module's (its API constant): another is a stale build, not called
+API = 2  # the C module's (its API constant): another is a stale build, not called
 
 try:
     from . import _rowsearch
@@ -55,36 +57,67 @@ def check(
 
 
 def find(
-    stored: np.ndarray,
-    slots: np.ndarray,
-    ids: np.ndarray,
-    changed: np.ndarray | None = None,
-    step: int = 0,
-    fast: bool | None = None,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """(found mask, int32 slot per id (-1 where absent), again) of int64 ``ids`` in the sorted
-    ``stored`` ids, whose rows are at int32 ``slots``. ``again``: how many of the rows found
-    have ``changed[slot] == step`` (0 without ``changed``). Any ``ids``; sorted ones are the
-    fast case (each search starts where the last one ended)."""
+    stored: np.ndarray, slots: np.ndarray, ids: np.ndarray, fast: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(found mask, int32 slot per id (-1 where absent)) of int64 ``ids`` in the sorted
+    ``stored`` ids, whose rows are at int32 ``slots``. Any ``ids``; sorted ones are the fast
+    case (each search starts where the last one ended)."""
     if FAST if fast is None else fast:
         where = np.empty(ids.shape, np.int32)
-        count, again = _rowsearch.find(
-            stored, slots, np.ascontiguousarray(ids, np.int64), where, changed, step
-        )
+        count = _rowsearch.find(stored, slots, np.ascontiguousarray(ids, np.int64), where)
         found = np.ones(ids.size, bool) if count == ids.size else where >= 0
-        return found, where, again
+        return found, where
     if stored.size == 0:
-        return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32), 0
+        return np.zeros(ids.size, bool), np.full(ids.size, -1, np.int32)
     pos = np.searchsorted(stored, ids)
     found = stored.take(pos, mode="clip") == ids  # past the end: clipped, not equal
     if found.all():  # every row present: the common case, one pass less
-        where = slots[pos]
+        return found, slots[pos]
+    return found, np.where(found, slots.take(pos, mode="clip"), -1)
+
+
+def assign(
+    stored: np.ndarray | None,
+    slots: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    block: np.ndarray,
+    changed: np.ndarray,
+    step: int,
+    again: bool = True,
+    fast: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """A push's rows written into a table in the pass that finds them: ``(where, flags,
+    found, again)``. For unique int64 ``ids`` (sorted: the fast case) with ``rows`` (one a
+    id, ``block``'s dtype and width): ``where`` the int32 slot of each id (found by
+    :func:`find` in the sorted ``stored`` ids at ``slots``, or with ``stored`` None through
+    the direct map ``slots``: slot + 1 per id, 0 absent), -1 where absent (``flags`` 1);
+    with ``again`` a found row whose ``changed[slot] == step`` (an earlier push of the
+    round wrote it) is left as it is (``flags`` 2); every other found row gets its row in
+    ``block[slot]`` and ``changed[slot] = step`` (``flags`` 0). The counts: rows found,
+    rows left as they were."""
+    where = np.empty(ids.shape, np.int32)
+    flags = np.empty(ids.shape, np.uint8)
+    if (FAST if fast is None else fast) and (rows.size or not ids.size):  # (not dim 0)
+        ids = np.ascontiguousarray(ids, np.int64)
+        rows = np.ascontiguousarray(rows, block.dtype)
+        found, hits = _rowsearch.assign(
+            stored, slots, ids, rows, block, changed, step, again, where, flags
+        )
+        return where, flags, found, hits
+    if stored is None:
+        where[...] = slots[ids] - 1
+        present = where >= 0
     else:
-        where = np.where(found, slots.take(pos, mode="clip"), -1)
-    again = 0
-    if changed is not None:
-        again = int((found & (changed.take(where, mode="clip") == step)).sum())
-    return found, where, again
+        present, slot = find(stored, slots, ids, fast=False)
+        where[...] = slot
+    hit = present & (changed.take(where, mode="clip") == step) if again else ~present & present
+    write = present & ~hit
+    flags[...] = np.where(present, np.where(hit, 2, 0), 1)
+    to = where[write]
+    block[to] = rows[write]
+    changed[to] = step
+    return where, flags, int(present.sum()), int(hit.sum())
 
 
 def split(ids: np.ndarray, num_server: int, fast: bool | None = None) -> list[np.ndarray]:

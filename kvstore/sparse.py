@@ -487,20 +487,7 @@ class RowTable:
         if self.direct is not None:
             slots = self.direct[ids] - 1
             return slots >= 0, slots
-        found, slots, _ = rowsearch.find(self.ids, self.slots, ids)
-        return found, slots
-
-    def _find_again(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """:meth:`find`, and which of the rows found an earlier push of this round wrote
-        (changed at this step); None when none did (the search counts them)."""
-        if self.direct is None:
-            found, where, again = rowsearch.find(self.ids, self.slots, ids, self.changed, self.step)
-            if not again:
-                return found, where, None
-        else:
-            found, where = self.find(ids)
-        again = found & (self.changed.take(where, mode="clip") == self.step)
-        return found, where, (again if again.any() else None)
+        return rowsearch.find(self.ids, self.slots, ids)
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Slots of sorted unique ``ids``, creating the absent rows."""
@@ -683,22 +670,31 @@ class RowTable:
         self._next_step()
         zero, kept, dups = self.dtype.type(0), [], []
         for ids, rows, normal in pushes:
-            if kept and self.count:  # (before the round's first push no row is at this step)
-                found, where, again = self._find_again(ids)
-            else:
-                (found, where), again = self.find(ids), None
-            if not found.all():
-                where = self._create(ids, found, where)
-            # one scatter per push: a row's first push this round writes 0 + its rows, a
+            # a row's first push this round writes 0 + its rows, in the pass that finds it; a
             # later push adds to them (a row changed at this step was written by an earlier
-            # push of the round)
-            earlier = None if again is None else self.block[where[again]]
+            # push of the round: rowsearch.assign leaves it, flag 2; before the round's first
+            # push no row is at this step)
             given = rows if normal else np.add(zero, rows, out=self._scratch(rows))
-            _scatter(self.block, where, given)
-            if earlier is not None:
-                self.block[where[again]] = earlier + rows[again]
-                dups.append(ids[again])
-            self.changed[where] = self.step
+            direct = self.direct is not None
+            where, flags, found, again = rowsearch.assign(
+                None if direct else self.ids,
+                self.direct if direct else self.slots,
+                ids,
+                given,
+                self.block,
+                self.changed,
+                self.step,
+                again=bool(kept),
+            )
+            if found < ids.size:  # new rows (at this step now): their pushed rows
+                absent = flags == 1
+                where = self._create(ids, ~absent, where)
+                _scatter(self.block, where[absent], given[absent])
+            if again:
+                hit = flags == 2
+                at = where[hit]
+                self.block[at] = self.block[at] + rows[hit]
+                dups.append(ids[hit])
             kept.append((ids, where))
         twice = np.unique(np.concatenate(dups)) if len(dups) > 1 else (dups or [None])[0]
         recent = {}

@@ -45,18 +45,70 @@ def test_find_matches_the_numpy_reference(stored, queries, sort, seed):
     stored = np.array(sorted(stored), np.int64)
     slots = np.random.default_rng(seed).permutation(stored.size).astype(np.int32)
     ids = np.array(sorted(queries) if sort else queries, np.int64)
-    # each row's step: some at the step asked about (written earlier in the round)
-    changed = np.random.default_rng(seed + 1).integers(6, 8, stored.size).astype(np.int32)
-    for table in ((None, 0), (changed, 7)):
-        found, where, again = rowsearch.find(stored, slots, ids, *table, fast=True)
-        ref_found, ref_where, ref_again = rowsearch.find(stored, slots, ids, *table, fast=False)
-        assert found.tolist() == ref_found.tolist() and again == ref_again
-        assert where.dtype == np.int32 and where.tolist() == ref_where.tolist()
-    # and the plain meaning: the slot of each id present, -1 of each absent; again: how
-    # many of those present are at step 7
+    found, where = rowsearch.find(stored, slots, ids, fast=True)
+    ref_found, ref_where = rowsearch.find(stored, slots, ids, fast=False)
+    assert found.tolist() == ref_found.tolist()
+    assert where.dtype == np.int32 and where.tolist() == ref_where.tolist()
+    # and the plain meaning: the slot of each id present, -1 of each absent
     slot_of = dict(zip(stored.tolist(), slots.tolist(), strict=True))
     assert where.tolist() == [slot_of.get(i, -1) for i in ids.tolist()]
-    assert again == sum(changed[slot_of[i]] == 7 for i in ids.tolist() if i in slot_of)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    stored=st.sets(st.integers(0, 80), max_size=40),
+    queries=st.sets(st.integers(0, 80), max_size=40),
+    sort=st.booleans(),
+    direct=st.booleans(),
+    again=st.booleans(),
+    dtype=st.sampled_from(["float32", "float64", "float16", "complex64"]),
+    dim=st.integers(1, 5),
+    fast=st.sampled_from([False, True] if rowsearch.FAST else [False]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_assign_matches_a_plain_model(stored, queries, sort, direct, again, dtype, dim, fast, seed):
+    """A push written in the search's pass: each id found gets its row and the step, unless
+    (with ``again``) its row is at the step already (left, flag 2); absent ids flag 1. Both
+    the C module and the NumPy reference, through a sorted index or a direct map, any dtype
+    (moved as bytes)."""
+    rng = np.random.default_rng(seed)
+    stored = np.array(sorted(stored), np.int64)
+    n = stored.size
+    slots = rng.permutation(n).astype(np.int32)
+    ids = np.array(sorted(queries), np.int64)
+    if not sort:
+        ids = rng.permutation(ids)
+    capacity = n + 3  # (a block and its steps have room beyond the rows stored)
+    block = rng.standard_normal((capacity, dim)).astype(dtype)
+    changed = rng.integers(6, 8, capacity).astype(np.int32)
+    rows = rng.standard_normal((ids.size, dim)).astype(dtype)
+    want_block, want_changed = block.copy(), changed.copy()
+    slot_of = dict(zip(stored.tolist(), slots.tolist(), strict=True))
+    want_where, want_flags = [], []
+    for i, x in enumerate(ids.tolist()):
+        slot = slot_of.get(x, -1)
+        want_where.append(slot)
+        if slot < 0:
+            want_flags.append(1)
+        elif again and changed[slot] == 7:
+            want_flags.append(2)
+        else:
+            want_flags.append(0)
+            want_block[slot] = rows[i]
+            want_changed[slot] = 7
+    if direct:
+        index = np.zeros(81, np.int32)
+        index[stored] = slots + 1
+        args = (None, index)
+    else:
+        args = (stored, slots)
+    where, flags, found, hits = rowsearch.assign(
+        *args, ids, rows, block, changed, 7, again, fast=fast
+    )
+    assert where.dtype == np.int32 and where.tolist() == want_where
+    assert flags.tolist() == want_flags
+    assert (found, hits) == (sum(f != 1 for f in want_flags), want_flags.count(2))
+    assert block.tobytes() == want_block.tobytes() and changed.tolist() == want_changed.tolist()
 
 
 @fast_only
@@ -68,7 +120,7 @@ def test_find_of_a_big_table_and_sorted_queries():
     ids = np.sort(
         np.concatenate([rng.choice(stored, 1024, replace=False), rng.integers(0, 10**12, 1024)])
     )
-    found, where, _ = rowsearch.find(stored, slots, ids, fast=True)
+    found, where = rowsearch.find(stored, slots, ids, fast=True)
     ref = rowsearch.find(stored, slots, ids, fast=False)
     assert (found == ref[0]).all() and (where == ref[1]).all() and found.sum() >= 1024
 
@@ -126,8 +178,26 @@ def test_the_c_module_refuses_wrong_sizes_with_a_clear_error():
         _rowsearch.check(np.zeros(3, np.int32), 10, 1, 0)
     with pytest.raises(TypeError, match="stored: expected int64"):
         _rowsearch.find(stored.astype(float), np.zeros(4, np.int32), stored, np.empty(4, np.int32))
-    with pytest.raises(TypeError, match="changed: expected int32"):  # not misread as half as many
-        _rowsearch.find(stored, np.zeros(4, np.int32), stored, np.empty(4, np.int32), stored, 0)
+    with pytest.raises(TypeError, match="slots: expected int32"):  # not misread as twice as many
+        _rowsearch.find(stored, stored, stored, np.empty(4, np.int32))
+    block, changed = np.zeros((4, 2), np.float32), np.zeros(4, np.int32)
+    ok = (stored, np.zeros(4, np.int32), stored, block, block, changed, 1, True)
+    with pytest.raises(ValueError, match="4 ids need as many wheres"):
+        _rowsearch.assign(*ok, np.empty(3, np.int32), np.empty(4, np.uint8))
+    with pytest.raises(ValueError, match="flags \\(got 2\\)"):
+        _rowsearch.assign(*ok, np.empty(4, np.int32), np.empty(2, np.uint8))
+    with pytest.raises(ValueError, match="needs a row per changed entry"):
+        _rowsearch.assign(*ok[:4], block[:2], *ok[5:], np.empty(4, np.int32), np.empty(4, np.uint8))
+    with pytest.raises(TypeError, match="changed: expected int32"):
+        _rowsearch.assign(*ok[:5], stored, *ok[6:], np.empty(4, np.int32), np.empty(4, np.uint8))
+    with pytest.raises(ValueError, match="an id outside the direct map"):
+        _rowsearch.assign(
+            None, np.zeros(3, np.int32), *ok[2:], np.empty(4, np.int32), np.empty(4, np.uint8)
+        )
+    with pytest.raises(ValueError, match="a slot outside the table"):
+        _rowsearch.assign(
+            stored, np.full(4, 9, np.int32), *ok[2:], np.empty(4, np.int32), np.empty(4, np.uint8)
+        )
     with pytest.raises(TypeError, match="expected int64"):  # unsigned is not signed
         _rowsearch.check(np.zeros(3, np.uint64), 10, 1, 0)
     with pytest.raises(TypeError, match="expected int64"):  # nor big-endian
