@@ -101,11 +101,17 @@ def test_bad_frames(frames, match):
 
 
 def test_an_empty_array_alone_rides_in_the_header_frame():
-    msg = Message("push", 1, "w", {"keys": [[1, 0]]}, [np.ones(0, np.float32)])
-    for size in range(8):  # every header length modulo 8
-        msg.sender = "w" * size
-        frames = encode(msg)
-        assert len(frames) == 1 and decode(frames).arrays[0].shape == (0,)
+    """With no bytes but the header's, frame 0 is the header alone (no padding after it, which
+    msgpack would read as extra data): an empty array's offset is the frame's end."""
+    run, block = ["<f4", [0], 0], ["<f4", [0, 16], 0, 0]  # (a 1-D array: a run's spec)
+    for array, spec in ((np.ones(0, np.float32), run), (np.ones((0, 16), np.float32), block)):
+        msg = Message("push", 1, "w", {"keys": [[1, 0]]}, [array])
+        for size in range(8):  # every header length modulo 8
+            msg.sender = "w" * size
+            frames = encode(msg)
+            header = {"v": VERSION, "k": "push", "id": 1, "from": msg.sender, "b": msg.body}
+            assert len(frames) == 1 and bytes(frames[0]) == msgpack.packb({**header, "a": [spec]})
+            assert decode(frames).arrays[0].shape == array.shape
 
 
 def test_encode_unknown_kind():
