@@ -214,14 +214,17 @@ static PyObject *assign(PyObject *self, PyObject *args)
         goto done;
     Py_ssize_t n = stored->obj ? stored->len / 8 : 0, m = ids->len / 8;
     Py_ssize_t slot_count = changed->len / 4;
-    Py_ssize_t rowbytes = m ? rows->len / m : 0;
+    /* the block has a row per entry of ``changed`` (they grow together): its row's bytes */
+    Py_ssize_t rowbytes = slot_count ? block->len / slot_count : 0;
     if ((stored->obj && slots->len / 4 != n) || where->len / 4 != m || flags->len != m ||
-        (m && (rows->len % m || !rowbytes)) || (rowbytes && block->len / rowbytes < slot_count)) {
+        (slot_count && block->len % slot_count) || rows->len != m * rowbytes ||
+        (m && !rowbytes)) {
         PyErr_Format(PyExc_ValueError,
                      "assign: %zd stored ids need as many slots (got %zd); %zd ids need as many "
-                     "wheres (got %zd), flags (got %zd) and rows (got %zd bytes); the block "
-                     "(%zd bytes) needs a row per changed entry (%zd)", n, slots->len / 4, m,
-                     where->len / 4, flags->len, rows->len, block->len, slot_count);
+                     "wheres (got %zd), flags (got %zd) and rows of the block's (got %zd bytes); "
+                     "the block (%zd bytes) needs a row per changed entry (%zd)", n,
+                     slots->len / 4, m, where->len / 4, flags->len, rows->len, block->len,
+                     slot_count);
         goto done;
     }
     const int64_t *a = stored->buf, *q = ids->buf;

@@ -96,6 +96,11 @@ def assign(
     round wrote it) is left as it is (``flags`` 2); every other found row gets its row in
     ``block[slot]`` and ``changed[slot] = step`` (``flags`` 0). The counts: rows found,
     rows left as they were."""
+    if ids.ndim != 1 or rows.shape != (ids.size, *block.shape[1:]) or block.ndim != 2:
+        raise ValueError(
+            f"assign: {ids.shape} ids need rows of {(ids.size, *block.shape[1:])}, got "
+            f"{rows.shape} (a 2-D block of rows, 1-D ids)"
+        )
     where = np.empty(ids.shape, np.int32)
     flags = np.empty(ids.shape, np.uint8)
     if (FAST if fast is None else fast) and (rows.size or not ids.size):  # (not dim 0)

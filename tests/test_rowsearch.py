@@ -188,6 +188,18 @@ def test_the_c_module_refuses_wrong_sizes_with_a_clear_error():
         _rowsearch.assign(*ok, np.empty(4, np.int32), np.empty(2, np.uint8))
     with pytest.raises(ValueError, match="needs a row per changed entry"):
         _rowsearch.assign(*ok[:4], block[:2], *ok[5:], np.empty(4, np.int32), np.empty(4, np.uint8))
+    with pytest.raises(ValueError, match="rows of the block's \\(got 64 bytes\\)"):  # 4 of dim 4
+        _rowsearch.assign(
+            *ok[:3],
+            np.zeros((4, 4), np.float32),
+            *ok[4:],
+            np.empty(4, np.int32),
+            np.empty(4, np.uint8),
+        )
+    with pytest.raises(
+        ValueError, match="need rows of \\(4, 2\\), got \\(4, 1\\)"
+    ):  # not broadcast
+        rowsearch.assign(*ok[:3], block[:, :1], *ok[4:7])
     with pytest.raises(TypeError, match="changed: expected int32"):
         _rowsearch.assign(*ok[:5], stored, *ok[6:], np.empty(4, np.int32), np.empty(4, np.uint8))
     with pytest.raises(ValueError, match="an id outside the direct map"):
