@@ -214,11 +214,11 @@ static PyObject *assign(PyObject *self, PyObject *args)
         goto done;
     Py_ssize_t n = stored->obj ? stored->len / 8 : 0, m = ids->len / 8;
     Py_ssize_t slot_count = changed->len / 4;
-    /* the block has a row per entry of ``changed`` (they grow together): its row's bytes */
+    /* the block has a row per entry of ``changed`` (they grow together): its row's bytes
+     * (an empty table has none: every id is absent, and a slot found is refused) */
     Py_ssize_t rowbytes = slot_count ? block->len / slot_count : 0;
     if ((stored->obj && slots->len / 4 != n) || where->len / 4 != m || flags->len != m ||
-        (slot_count && block->len % slot_count) || rows->len != m * rowbytes ||
-        (m && !rowbytes)) {
+        (slot_count && (block->len % slot_count || rows->len != m * rowbytes))) {
         PyErr_Format(PyExc_ValueError,
                      "assign: %zd stored ids need as many slots (got %zd); %zd ids need as many "
                      "wheres (got %zd), flags (got %zd) and rows of the block's (got %zd bytes); "

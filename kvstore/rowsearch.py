@@ -116,7 +116,9 @@ def assign(
     else:
         present, slot = find(stored, slots, ids, fast=False)
         where[...] = slot
-    hit = present & (changed.take(where, mode="clip") == step) if again else ~present & present
+    hit = np.zeros(ids.shape, bool)
+    if again and present.any():
+        hit = present & (changed.take(where, mode="clip") == step)
     write = present & ~hit
     flags[...] = np.where(present, np.where(hit, 2, 0), 1)
     to = where[write]
