@@ -212,8 +212,9 @@ def encode_frames(msg: Message) -> tuple[list, dict[int, int]]:
         {"v": VERSION, "k": msg.kind, "id": msg.id, "from": msg.sender, "b": msg.body, "a": specs}
     )
     if packed_at:  # after the header, 8-byte aligned: one frame for a message of small
-        # arrays (none but empty ones: the header alone, which decodes without msgpack's
-        # ExtraData, an exception a message; their offset 0 is then the frame's end)
+        # arrays. With none but empty ones, the header alone: msgpack then decodes it without
+        # raising ExtraData (which costs every such message an exception), and their offset
+        # 0 is the frame's end
         header = b"".join([header, bytes(-len(header) % 8), *small])
     return [header, *big], carried
 

@@ -62,11 +62,14 @@ def test_find_matches_the_numpy_reference(stored, queries, sort, seed):
     direct=st.booleans(),
     again=st.booleans(),
     dtype=st.sampled_from(["float32", "float64", "float16", "complex64"]),
-    dim=st.integers(1, 5),
+    dim=st.integers(0, 5),
+    given=st.sampled_from(["same", "float64", "strided"]),  # rows the wrapper casts or copies
     fast=st.sampled_from([False, True] if rowsearch.FAST else [False]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_assign_matches_a_plain_model(stored, queries, sort, direct, again, dtype, dim, fast, seed):
+def test_assign_matches_a_plain_model(
+    stored, queries, sort, direct, again, dtype, dim, given, fast, seed
+):
     """A push written in the search's pass: each id found gets its row and the step, unless
     (with ``again``) its row is at the step already (left, flag 2); absent ids flag 1. Both
     the C module and the NumPy reference, through a sorted index or a direct map, any dtype
@@ -82,6 +85,10 @@ def test_assign_matches_a_plain_model(stored, queries, sort, direct, again, dtyp
     block = rng.standard_normal((capacity, dim)).astype(dtype)
     changed = rng.integers(6, 8, capacity).astype(np.int32)
     rows = rng.standard_normal((ids.size, dim)).astype(dtype)
+    if given == "float64":
+        rows = rows.astype(np.float64) if dtype != "complex64" else rows
+    elif given == "strided":
+        rows = np.repeat(rows, 2, axis=0)[::2]
     want_block, want_changed = block.copy(), changed.copy()
     slot_of = dict(zip(stored.tolist(), slots.tolist(), strict=True))
     want_where, want_flags = [], []
