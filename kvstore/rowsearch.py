@@ -88,7 +88,7 @@ def assign(
     fast: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
     """A push's rows written into a table in the pass that finds them: ``(where, flags,
-    found, again)``. For unique int64 ``ids`` (sorted: the fast case) with ``rows`` (one a
+    found, again)``. For unique int64 ``ids`` (sorted: the fast case) with ``rows`` (one per
     id, ``block``'s dtype and width): ``where`` the int32 slot of each id (found by
     :func:`find` in the sorted ``stored`` ids at ``slots``, or with ``stored`` None through
     the direct map ``slots``: slot + 1 per id, 0 absent), -1 where absent (``flags`` 1);
